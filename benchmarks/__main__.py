@@ -1,0 +1,29 @@
+"""Benchmarks: `python -m benchmarks NAME [options]`. Each appends a row to benchmarks/results.md."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = {
+    "local": "benchmarks.local",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    sub = parser.add_subparsers(dest="name", required=True, metavar="NAME")
+    modules = {}
+    for name, module in BENCHMARKS.items():
+        mod = importlib.import_module(module)
+        modules[name] = mod
+        mod.add_arguments(sub.add_parser(name, help=mod.__doc__.strip().splitlines()[0]))
+    args = parser.parse_args(argv)
+    row = modules[args.name].run(args)
+    print(f"appended to benchmarks/results.md:\n{row}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

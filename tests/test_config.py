@@ -1,0 +1,86 @@
+"""A run configuration is typed; every malformed file is refused with the field named."""
+
+import tomllib
+
+import pytest
+
+from swarm.config import ConfigError, load_config, parse_config
+from tests.conftest import CONFIGS, run_cli
+
+
+def tiny() -> dict:
+    return tomllib.loads((CONFIGS / "tiny.toml").read_text())
+
+
+def refused(data: dict) -> str:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, "run.toml")
+    return str(err.value)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "125m", "1b"])
+def test_shipped_configs_load(name):
+    run = load_config(CONFIGS / f"{name}.toml")
+    covered = [i for k in range(run.stages.count) for i in run.stage_layers(k)]
+    assert covered == list(range(run.model.n_layers))
+
+
+@pytest.mark.parametrize(
+    "mutate, field, phrase",
+    [
+        (lambda d: d["model"].update(n_layer=4), "model.n_layer", "unknown key"),
+        (lambda d: d.update(extra_section={}), "extra_section", "unknown key"),
+        (lambda d: d["model"].update(d_model="128"), "model.d_model", "integer"),
+        (lambda d: d["training"].update(lr="fast"), "training.lr", "number"),
+        (lambda d: d["model"].update(n_heads=5), "model.n_heads", "must divide d_model"),
+        (lambda d: d["model"].update(n_kv_heads=3), "model.n_kv_heads", "must divide n_heads"),
+        (lambda d: d["stages"].update(count=5), "stages.count", "only 4 layers"),
+        (lambda d: d["stages"].update(layers=[3, 3]), "stages.layers", "sums to 6"),
+        (lambda d: d["stages"].update(layers=[4]), "stages.layers", "1 entries"),
+        (lambda d: d["training"].update(micro_batch=5), "training.global_batch", "multiple of micro_batch"),
+        (lambda d: d["training"].update(lr=-1.0), "training.lr", "greater than 0"),
+        (lambda d: d["wire"].update(codec="zip"), "wire.codec", "'none', 'fp16', 'bf16' or 'int8'"),
+        (lambda d: d["model"].update(tie_embeddings=True), "model.tie_embeddings", "stages.count = 1"),
+        (lambda d: d["data"].update(source="files"), "data.path", "required"),
+        (lambda d: d.update(run_id="has space"), "run_id", "pattern"),
+    ],
+)
+def test_malformed_config_is_refused_with_the_field_named(mutate, field, phrase):
+    data = tiny()
+    mutate(data)
+    message = refused(data)
+    assert f"run.toml: {field}:" in message
+    assert phrase in message
+
+
+def test_unreadable_and_invalid_toml_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nd_model = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_cli_prints_the_message_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text((CONFIGS / "tiny.toml").read_text().replace("n_heads = 4", "n_heads = 3"))
+    result = run_cli("train", "--local", "--config", str(bad), "--steps", "1")
+    assert result.returncode == 2
+    assert "model.n_heads: 3 must divide d_model (128)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_refuses_bad_arguments_clearly():
+    result = run_cli("train", "--local", "--config", str(CONFIGS / "tiny.toml"), "--steps", "zero")
+    assert result.returncode == 2 and "--steps: 'zero' is not an integer" in result.stderr
+    result = run_cli("train", "--local", "--config", str(CONFIGS / "tiny.toml"), "--steps", "1", "--device", "tpu")
+    assert result.returncode == 2 and "--device: 'tpu' is not one of" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_subcommands():
+    result = run_cli("--help")
+    assert result.returncode == 0 and "train" in result.stdout
+    result = run_cli("train", "--help")
+    assert result.returncode == 0 and "--log-json" in result.stdout
