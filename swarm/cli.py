@@ -18,6 +18,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = positive_int(text) if text.strip() != "0" else 0
+    return value
+
+
+def port_number(text: str) -> int:
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0..65535)")
+    return value
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     run = load_config(args.config)
     steps = args.steps or run.training.steps
@@ -26,7 +38,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         train_local(run, steps, device=args.device, log_json=args.log_json)
         return 0
-    raise ConfigError("swarm train: choose where to train: --local (one process)")
+    if args.peers:
+        from swarm.train_pipeline import train_pipeline
+
+        addresses = [a.strip() for a in args.peers.split(",") if a.strip()]
+        for a in addresses:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"--peers: {a!r} is not HOST:PORT")
+        train_pipeline(run, addresses, steps, inflight=args.inflight, log_json=args.log_json)
+        return 0
+    raise ConfigError("swarm train: choose where to train: --local (one process) or --peers ADDR0,ADDR1,...")
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from peer.run import serve_stage
+
+    run = load_config(args.config)
+    return serve_stage(run, args.stage, args.host, args.port, device=args.device, threads=args.threads)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=positive_int, help="optimizer steps to run (default: training.steps)")
     train.add_argument("--log-json", metavar="PATH", help="write one JSON object per optimizer step to PATH")
     train.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    train.add_argument("--peers", metavar="ADDR0,ADDR1,...", help="one stage worker per stage, in stage order")
+    train.add_argument("--inflight", type=positive_int, default=4, help="microbatches in flight at once (default 4)")
     train.set_defaults(func=cmd_train)
+
+    peer = sub.add_parser(
+        "peer",
+        help="serve one pipeline stage (a stage worker)",
+        description="Serve one stage of a run over gRPC until SIGTERM or Ctrl-C.",
+    )
+    peer.add_argument("--config", required=True, help="run configuration (TOML)")
+    peer.add_argument("--stage", type=non_negative_int, required=True, help="stage index to serve")
+    peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
+    peer.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    peer.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    peer.set_defaults(func=cmd_peer)
     return parser
 
 

@@ -94,7 +94,17 @@ class TrainingConfig(_Strict):
 
 
 class WireConfig(_Strict):
-    codec: Codec = "none"
+    codec: Codec = Field("none", description="activations and gradients on the wire")
+    max_message_mb: int = Field(256, ge=1, le=2047, description="gRPC message size limit, both directions")
+
+
+class ServeConfig(_Strict):
+    """How a stage worker serves requests."""
+
+    max_batch: int = Field(64, ge=1, description="largest batch (sequences) one request may carry")
+    max_batch_tokens: int = Field(16384, ge=1, description="concurrent requests are batched up to this")
+    cache_size: int = Field(64, ge=0, description="forward activations kept for the matching backward")
+    request_timeout_s: float = Field(120.0, gt=0, description="longest a request waits in the queue")
 
 
 class DataConfig(_Strict):
@@ -122,6 +132,7 @@ class RunConfig(_Strict):
     stages: StagesConfig = StagesConfig()
     training: TrainingConfig = TrainingConfig()
     wire: WireConfig = WireConfig()
+    serve: ServeConfig = ServeConfig()
     data: DataConfig = DataConfig()
 
     @model_validator(mode="after")
@@ -137,6 +148,10 @@ class RunConfig(_Strict):
                 raise ValueError("stages.layers: every stage needs at least one layer")
             if sum(layers) != n:
                 raise ValueError(f"stages.layers: sums to {sum(layers)}, model.n_layers is {n}")
+        if self.serve.max_batch < self.training.micro_batch:
+            raise ValueError(
+                f"serve.max_batch: {self.serve.max_batch} is below training.micro_batch ({self.training.micro_batch})"
+            )
         if self.model.tie_embeddings and s > 1:
             raise ValueError(
                 "model.tie_embeddings: needs stages.count = 1 (the embedding and the LM head live on different stages)"

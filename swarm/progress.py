@@ -15,6 +15,11 @@ from typing import TextIO
 from tqdm import tqdm
 
 
+def eval_due(step: int, steps: int, every: int) -> bool:
+    """Validation runs every `every` steps and after the last one (never when `every` is 0)."""
+    return every > 0 and ((step + 1) % every == 0 or step == steps - 1)
+
+
 class RunLog:
     def __init__(self, steps: int, log_json: str | Path | None = None, desc: str = "train", out: TextIO | None = None):
         self.out = out or sys.stderr

@@ -12,7 +12,7 @@ from swarm.config import RunConfig
 from swarm.data import TokenStream
 from swarm.device import autocast, device_name, resolve_device
 from swarm.model import Stage, lm_loss
-from swarm.progress import RunLog
+from swarm.progress import RunLog, eval_due
 from swarm.schedule import lr_at
 
 
@@ -69,9 +69,8 @@ def train_local(run: RunConfig, steps: int, device: str | None = None, log_json=
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        last = step == steps - 1
         val_loss = None
-        if t.eval_every and ((step + 1) % t.eval_every == 0 or last):
+        if eval_due(step, steps, t.eval_every):
             val_loss = evaluate(model, val, dev, run.model.dtype)
         log.step(step, loss_sum / t.accumulation, tokens_per_step, val_loss, lr=lr)
     facts = {"parameters": f"{n_params:,}", "device": device_name(dev)}

@@ -1,0 +1,57 @@
+"""`swarm peer --config C --stage K --port P`: serve one stage by hand until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import torch
+
+from peer.service import start_server
+from peer.worker import StageWorker
+from swarm.config import RunConfig
+from swarm.device import resolve_device
+
+
+def serve_stage(
+    run: RunConfig,
+    stage: int,
+    host: str,
+    port: int,
+    device: str | None = None,
+    threads: int | None = None,
+    status_every: float = 30.0,
+) -> int:
+    if not 0 <= stage < run.stages.count:
+        from swarm.config import ConfigError
+
+        raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
+    if threads:
+        torch.set_num_threads(threads)
+    dev = resolve_device(device)
+    worker = StageWorker(run, stage, dev)
+    server, service, bound = start_server(worker, host, port)
+    layers = run.stage_layers(stage)
+    print(
+        f"stage {stage}/{run.stages.count} of run {run.run_id!r} (layers {layers.start}..{layers.stop - 1}) "
+        f"serving on {host}:{bound} ({worker.device_name}, codec {run.wire.codec})",
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(status_every):
+        print(
+            f"stage {stage}: {worker.samples_served} samples served, {worker.optimizer_steps} steps, "
+            f"{worker.throughput:.1f} samples/s, queue {len(worker.queue)}, "
+            f"wire {service.bytes_received:,} B in / {service.bytes_sent:,} B out",
+            file=sys.stderr,
+            flush=True,
+        )
+    server.stop(grace=5).wait()
+    worker.close()
+    print(
+        f"stage {stage}: stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps", flush=True
+    )
+    return 0

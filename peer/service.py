@@ -1,0 +1,157 @@
+"""The stage service: a gRPC server in front of a `StageWorker`.
+
+Request bytes are parsed here rather than by grpc-python's generated servicer: that one answers
+bytes that do not parse with INTERNAL ("Exception deserializing request!"), which reads as a server
+bug. Here they get INVALID_ARGUMENT with the parser's message, like every other bad request.
+INTERNAL is left for real faults of this server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from typing import Callable
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from peer.requests import RequestError, StageShape, invalid, parse_backward, parse_forward, check_target
+from peer.worker import StageWorker
+from swarm import __version__
+from swarm.config import RunConfig
+from swarm.rpc import pb
+from swarm.wire import encode
+
+log = logging.getLogger("swarm.peer")
+SERVICE = "swarm.Stage"
+
+
+def grpc_options(run: RunConfig) -> list[tuple[str, int]]:
+    limit = run.wire.max_message_mb * 2**20
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+class StageService:
+    def __init__(self, worker: StageWorker):
+        self.worker = worker
+        self.run = worker.run
+        self.shape = StageShape(worker.run, worker.stage_index)
+        self.codec = worker.run.wire.codec
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._count_lock = threading.Lock()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _count(self, received: int = 0, sent: int = 0) -> None:
+        with self._count_lock:
+            self.bytes_received += received
+            self.bytes_sent += sent
+
+    def _serialize(self, message: Message) -> bytes:
+        data = message.SerializeToString()
+        self._count(sent=len(data))
+        return data
+
+    def _handler(self, request_type: type[Message], method: Callable) -> grpc.RpcMethodHandler:
+        def handle(data: bytes, context: grpc.ServicerContext):
+            self._count(received=len(data))
+            request = request_type()
+            try:
+                try:
+                    request.ParseFromString(data)
+                except DecodeError as err:
+                    raise invalid(f"request is not a valid {request_type.DESCRIPTOR.full_name}: {err}") from None
+                return method(request, context)
+            except RequestError as err:
+                context.abort(err.code, err.message)
+
+        return grpc.unary_unary_rpc_method_handler(
+            handle, request_deserializer=None, response_serializer=self._serialize
+        )
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Forward": self._handler(pb.ForwardRequest, self.forward),
+                "Backward": self._handler(pb.BackwardRequest, self.backward),
+                "Info": self._handler(pb.InfoRequest, self.info),
+                "Parameters": self._handler(pb.ParametersRequest, self.parameters),
+            },
+        )
+
+    def _wait(self, future: futures.Future, context: grpc.ServicerContext):
+        remaining = context.time_remaining()
+        timeout = (
+            self.run.serve.request_timeout_s if remaining is None else min(remaining, self.run.serve.request_timeout_s)
+        )
+        try:
+            return future.result(timeout=timeout)
+        except futures.TimeoutError:
+            future.cancel()
+            raise RequestError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"request waited {timeout:.0f} s in the queue"
+            ) from None
+
+    # -- the RPCs ----------------------------------------------------------------------------
+
+    def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
+        work = parse_forward(request, self.shape)
+        result = self._wait(self.worker.submit(work), context)
+        response = pb.ForwardResponse(loss=result.loss)
+        if result.output is not None:
+            response.output.CopyFrom(encode(result.output, self.codec))
+        if result.input_grad is not None:
+            response.input_grad.CopyFrom(encode(result.input_grad, self.codec))
+        return response
+
+    def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
+        work = parse_backward(request, self.shape)
+        grad = self._wait(self.worker.submit(work), context)
+        response = pb.BackwardResponse()
+        if grad is not None:
+            response.input_grad.CopyFrom(encode(grad, self.codec))
+        return response
+
+    def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        w = self.worker
+        return pb.InfoResponse(
+            run_id=self.run.run_id,
+            stage=w.stage_index,
+            num_stages=self.run.stages.count,
+            model_hash=self.run.model_hash(),
+            codec=self.codec,
+            version=__version__,
+            queue_length=len(w.queue),
+            throughput=w.throughput,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            samples_served=w.samples_served,
+            optimizer_steps=w.optimizer_steps,
+            device=w.device_name,
+        )
+
+    def parameters(self, request: pb.ParametersRequest, context) -> pb.ParametersResponse:
+        check_target(self.run, self.worker.stage_index, request.run_id, request.stage)
+        params, grads = self.worker.named_tensors(request.with_grads)
+        return pb.ParametersResponse(
+            parameters=[pb.NamedTensor(name=n, tensor=encode(t)) for n, t in params.items()],
+            grads=[pb.NamedTensor(name=n, tensor=encode(t)) for n, t in grads.items()],
+            optimizer_steps=self.worker.optimizer_steps,
+        )
+
+
+def start_server(
+    worker: StageWorker, host: str, port: int, max_threads: int = 32
+) -> tuple[grpc.Server, StageService, int]:
+    """Start serving; returns the server, the service and the bound port (useful with port 0)."""
+    service = StageService(worker)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads), options=grpc_options(worker.run))
+    server.add_generic_rpc_handlers((service.generic_handler(),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    server.start()
+    return server, service, bound

@@ -1,0 +1,281 @@
+"""The compute side of a stage worker: one `Stage` on one device, fed by a queue.
+
+Requests are decoded and checked in the gRPC threads, then queued here. One compute thread takes
+work in priority order (backward before forward, so gradients drain and memory is freed first),
+batches concurrent requests of the same kind up to a token budget, runs them, and hands results
+back. Encoding and decoding stay in the gRPC threads, so they overlap with compute.
+
+Backward is stateless: it recomputes the forward from the input it is given. A short-lived cache
+keeps the autograd graph of training forwards served alone, so that when the same peer also gets
+the matching backward the recompute is skipped.
+
+Optimizer: each worker accumulates the gradients of the samples it served and takes a local AdamW
+step every global batch of samples.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from peer.requests import BackwardWork, ForwardWork
+from swarm.config import RunConfig
+from swarm.device import autocast, device_name
+from swarm.model import Stage
+from swarm.schedule import lr_at
+from swarm.train_local import make_optimizer
+
+
+@dataclass
+class ForwardResult:
+    output: torch.Tensor | None = None
+    loss: float = 0.0
+    input_grad: torch.Tensor | None = None
+
+
+@dataclass(order=True)
+class _Task:
+    priority: int
+    seq: int
+    work: ForwardWork | BackwardWork = field(compare=False)
+    future: Future = field(compare=False)
+
+    @property
+    def tokens(self) -> int:
+        return self.work.inputs.shape[0] * self.work.inputs.shape[1]
+
+
+class WorkQueue:
+    """Two FIFO lanes; backward first. `take` returns a batch of tasks of one kind and one shape."""
+
+    def __init__(self):
+        self.lanes: dict[str, collections.deque] = {"backward": collections.deque(), "forward": collections.deque()}
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def put(self, kind: str, task: _Task) -> None:
+        with self.cond:
+            self.lanes[kind].append(task)
+            self.cond.notify()
+
+    def __len__(self) -> int:
+        return sum(map(len, self.lanes.values()))
+
+    def take(self, budget: int, timeout: float = 0.5) -> tuple[str, list[_Task]] | None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: len(self) or self.closed, timeout) or self.closed:
+                return None
+            kind = "backward" if self.lanes["backward"] else "forward"
+            lane = self.lanes[kind]
+            first = lane.popleft()
+            batch, tokens = [first], first.tokens
+            key = _batch_key(first.work)
+            # Take more of the same kind and shape while they fit the token budget.
+            while lane and _batch_key(lane[0].work) == key and tokens + lane[0].tokens <= budget:
+                task = lane.popleft()
+                batch.append(task)
+                tokens += task.tokens
+            return kind, batch
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+            for lane in self.lanes.values():
+                while lane:
+                    lane.popleft().future.set_exception(RuntimeError("the worker is shutting down"))
+
+
+def _batch_key(work: ForwardWork | BackwardWork) -> tuple:
+    if isinstance(work, ForwardWork):
+        return ("forward", tuple(work.inputs.shape[1:]), work.inputs.dtype, work.targets is not None, work.train)
+    return ("backward", tuple(work.inputs.shape[1:]), work.inputs.dtype)
+
+
+class StageWorker:
+    def __init__(self, run: RunConfig, stage: int, device: torch.device):
+        self.run, self.stage_index, self.device = run, stage, device
+        self.stage = Stage(run, stage).to(device)
+        self.stage.train()
+        self.optimizer = make_optimizer(self.stage.parameters(), run.training)
+        self.queue = WorkQueue()
+        self.lock = threading.Lock()  # held while parameters or gradients change
+        self.cache: collections.OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
+        self._seq = itertools.count()
+        self.samples_served = 0  # samples whose gradients were accumulated
+        self.samples_pending = 0  # ... since the last optimizer step
+        self.optimizer_steps = 0
+        self.sec_per_sample = {"forward": None, "backward": None}
+        self.device_name = device_name(device)
+        self._thread = threading.Thread(target=self._loop, name=f"stage-{stage}-compute", daemon=True)
+        self._thread.start()
+
+    # -- submitting work -------------------------------------------------------------------
+
+    def submit(self, work: ForwardWork | BackwardWork) -> Future:
+        kind = "backward" if isinstance(work, BackwardWork) else "forward"
+        future: Future = Future()
+        self.queue.put(kind, _Task(0 if kind == "backward" else 1, next(self._seq), work, future))
+        return future
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second of forward + backward, from moving averages of measured times."""
+        f, b = self.sec_per_sample["forward"], self.sec_per_sample["backward"]
+        if f is None and b is None:
+            return 0.0
+        return 1.0 / ((f or 0.0) + (b or f or 0.0))
+
+    def close(self) -> None:
+        self.queue.close()
+        self._thread.join(timeout=10)
+
+    # -- the compute thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self.queue.closed:
+            got = self.queue.take(self.run.serve.max_batch_tokens)
+            if got is None:
+                continue
+            kind, batch = got
+            start = time.perf_counter()
+            try:
+                with self.lock:
+                    results = self._backward(batch) if kind == "backward" else self._forward(batch)
+                    self._maybe_step()
+            except Exception as err:  # a real fault: report it to every caller in the batch
+                for task in batch:
+                    task.future.set_exception(err)
+                continue
+            samples = sum(t.work.inputs.shape[0] for t in batch)
+            self._measure(kind, batch, (time.perf_counter() - start) / samples)
+            for task, result in zip(batch, results, strict=True):
+                task.future.set_result(result)
+
+    def _measure(self, kind: str, batch: list[_Task], sec: float) -> None:
+        # The last stage's training forward is forward + backward in one call.
+        if kind == "forward" and batch[0].work.train and self.stage.is_last:
+            sec /= 2
+            self._ema("backward", sec)
+        self._ema(kind, sec)
+
+    def _ema(self, kind: str, sec: float, alpha: float = 0.1) -> None:
+        old = self.sec_per_sample[kind]
+        self.sec_per_sample[kind] = sec if old is None else (1 - alpha) * old + alpha * sec
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _inputs(self, batch: list[_Task]) -> torch.Tensor:
+        x = torch.cat([t.work.inputs for t in batch]) if len(batch) > 1 else batch[0].work.inputs
+        x = self._to_device(x)
+        return x if self.stage.is_first else x.float()
+
+    def _split(self, t: torch.Tensor | None, batch: list[_Task]) -> list[torch.Tensor | None]:
+        if t is None:
+            return [None] * len(batch)
+        return list(t.detach().to("cpu").split([task.work.inputs.shape[0] for task in batch]))
+
+    def _forward(self, batch: list[_Task]) -> list[ForwardResult]:
+        first: ForwardWork = batch[0].work
+        if first.targets is not None:
+            return self._forward_loss(batch)
+        x = self._inputs(batch)
+        cache = first.train and len(batch) == 1 and self.run.serve.cache_size > 0
+        with torch.set_grad_enabled(cache), autocast(self.device, self.run.model.dtype):
+            if cache and not self.stage.is_first:
+                x.requires_grad_(True)
+            out = self.stage(x)
+        if cache:
+            self.cache[first.microbatch_id] = (x, out)
+            while len(self.cache) > self.run.serve.cache_size:
+                self.cache.popitem(last=False)
+        return [ForwardResult(output=o) for o in self._split(out, batch)]
+
+    def _forward_loss(self, batch: list[_Task]) -> list[ForwardResult]:
+        """Last stage with targets: the loss of each request and, when training, its input gradient."""
+        train = batch[0].work.train
+        x = self._inputs(batch)
+        targets = self._to_device(torch.cat([t.work.targets for t in batch]))
+        with torch.set_grad_enabled(train):
+            if train and not self.stage.is_first:
+                x.requires_grad_(True)
+            with autocast(self.device, self.run.model.dtype):
+                logits = self.stage(x)
+            per_sample = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").mean(dim=1)
+            sizes = [t.work.inputs.shape[0] for t in batch]
+            losses = [chunk.mean() for chunk in per_sample.split(sizes)]
+            if train:
+                total = sum(loss * t.work.loss_scale for loss, t in zip(losses, batch, strict=True))
+                total.backward()
+                self._served(sum(sizes))
+        grads = self._split(x.grad if train and not self.stage.is_first else None, batch)
+        return [ForwardResult(loss=float(loss.detach()), input_grad=g) for loss, g in zip(losses, grads, strict=True)]
+
+    def _backward(self, batch: list[_Task]) -> list[torch.Tensor | None]:
+        results: list[torch.Tensor | None] = [None] * len(batch)
+        recompute = []
+        for i, task in enumerate(batch):
+            cached = self.cache.pop(task.work.microbatch_id, None)
+            if cached is not None and cached[1].shape == task.work.output_grad.shape:
+                x, out = cached
+                out.backward(self._to_device(task.work.output_grad).to(out.dtype))
+                results[i] = None if self.stage.is_first else x.grad.detach().to("cpu")
+            else:
+                recompute.append(i)
+        if recompute:
+            sub = [batch[i] for i in recompute]
+            x = self._inputs(sub)
+            grad = self._to_device(torch.cat([t.work.output_grad for t in sub]))
+            with torch.enable_grad():
+                if not self.stage.is_first:
+                    x.requires_grad_(True)
+                with autocast(self.device, self.run.model.dtype):
+                    out = self.stage(x)
+                out.backward(grad.to(out.dtype))
+            grads = self._split(None if self.stage.is_first else x.grad, sub)
+            for i, g in zip(recompute, grads, strict=True):
+                results[i] = g
+        self._served(sum(t.work.inputs.shape[0] for t in batch))
+        return results
+
+    def _served(self, samples: int) -> None:
+        self.samples_served += samples
+        self.samples_pending += samples
+
+    def _maybe_step(self) -> None:
+        t = self.run.training
+        if self.samples_pending < t.global_batch:
+            return
+        lr = lr_at(self.optimizer_steps, t)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if t.grad_clip > 0:
+            # Each stage clips its own gradient norm: the global norm would need every stage.
+            torch.nn.utils.clip_grad_norm_(self.stage.parameters(), t.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.cache.clear()  # graphs recorded before the step no longer match the weights
+        self.samples_pending -= t.global_batch
+        self.optimizer_steps += 1
+
+    # -- state -----------------------------------------------------------------------------
+
+    def named_tensors(self, with_grads: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        with self.lock:
+            params = {n: p.detach().to("cpu").clone() for n, p in self.stage.named_parameters()}
+            grads = {}
+            if with_grads:
+                grads = {
+                    n: p.grad.detach().to("cpu").clone() for n, p in self.stage.named_parameters() if p.grad is not None
+                }
+        return params, grads

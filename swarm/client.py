@@ -1,0 +1,105 @@
+"""Calling a stage worker: a thin client over one gRPC channel, counting bytes both ways."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+from google.protobuf.message import Message
+
+from swarm.config import RunConfig
+from swarm.rpc import pb
+
+SERVICE = "/swarm.Stage/"
+
+
+class StageClient:
+    def __init__(self, address: str, run: RunConfig, timeout: float = 120.0):
+        self.address, self.run, self.timeout = address, run, timeout
+        limit = run.wire.max_message_mb * 2**20
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+        )
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._lock = threading.Lock()
+        self._methods = {
+            name: self.channel.unary_unary(
+                SERVICE + name, request_serializer=self._serialize, response_deserializer=self._parser(response)
+            )
+            for name, response in [
+                ("Forward", pb.ForwardResponse),
+                ("Backward", pb.BackwardResponse),
+                ("Info", pb.InfoResponse),
+                ("Parameters", pb.ParametersResponse),
+            ]
+        }
+
+    def _serialize(self, message: Message) -> bytes:
+        data = message.SerializeToString()
+        with self._lock:
+            self.bytes_sent += len(data)
+        return data
+
+    def _parser(self, response_type: type[Message]):
+        def parse(data: bytes) -> Message:
+            with self._lock:
+                self.bytes_received += len(data)
+            return response_type.FromString(data)
+
+        return parse
+
+    def call(self, method: str, request: Message, timeout: float | None = None) -> Message:
+        return self._methods[method](request, timeout=timeout or self.timeout)
+
+    def forward(
+        self,
+        stage: int,
+        inputs: pb.Tensor,
+        microbatch_id: str,
+        step: int,
+        targets: pb.Tensor | None = None,
+        train: bool = True,
+        loss_scale: float = 0.0,
+        timeout: float | None = None,
+    ) -> pb.ForwardResponse:
+        req = pb.ForwardRequest(
+            run_id=self.run.run_id,
+            stage=stage,
+            microbatch_id=microbatch_id,
+            input=inputs,
+            train=train,
+            step=step,
+            loss_scale=loss_scale,
+        )
+        if targets is not None:
+            req.targets.CopyFrom(targets)
+        return self.call("Forward", req, timeout)
+
+    def backward(
+        self,
+        stage: int,
+        inputs: pb.Tensor,
+        output_grad: pb.Tensor,
+        microbatch_id: str,
+        step: int,
+        timeout: float | None = None,
+    ) -> pb.BackwardResponse:
+        req = pb.BackwardRequest(
+            run_id=self.run.run_id,
+            stage=stage,
+            microbatch_id=microbatch_id,
+            input=inputs,
+            output_grad=output_grad,
+            step=step,
+        )
+        return self.call("Backward", req, timeout)
+
+    def info(self, timeout: float = 10.0) -> pb.InfoResponse:
+        return self.call("Info", pb.InfoRequest(), timeout)
+
+    def parameters(self, stage: int, with_grads: bool = False) -> pb.ParametersResponse:
+        return self.call("Parameters", pb.ParametersRequest(run_id=self.run.run_id, stage=stage, with_grads=with_grads))
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,101 @@
+"""Training through stage workers over the network: a static pipeline, one worker per stage.
+
+The trainer owns the data and drives each microbatch hop by hop: forward through stages
+0..S-1 (the last one returns the loss and the gradient of its input), then backward in reverse.
+It keeps every stage's input as the bytes it received, so a Backward call resends them as they
+were and no activation is ever decoded or re-encoded here. K microbatches are in flight at once,
+so all stages work at the same time. Workers take their optimizer step every global batch of
+samples; the trainer finishes a global batch before it starts the next.
+"""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from swarm.client import StageClient
+from swarm.config import ConfigError, RunConfig
+from swarm.data import Batch, TokenStream
+from swarm.progress import RunLog, eval_due
+from swarm.rpc import pb
+from swarm.wire import encode
+
+
+class Pipeline:
+    """One client per stage, checked against the run config."""
+
+    def __init__(self, run: RunConfig, addresses: list[str], timeout: float = 120.0):
+        if len(addresses) != run.stages.count:
+            raise ConfigError(f"--peers: {len(addresses)} addresses for a run of {run.stages.count} stages")
+        self.run = run
+        self.clients = [StageClient(a, run, timeout) for a in addresses]
+        self.trace = uuid.uuid4().hex[:12]
+        for k, client in enumerate(self.clients):
+            try:
+                info = client.info()
+            except Exception as err:
+                raise ConfigError(
+                    f"--peers: {client.address} does not answer: {getattr(err, 'details', lambda: err)()}"
+                ) from None
+            problems = []
+            if info.run_id != run.run_id:
+                problems.append(f"serves run {info.run_id!r}, not {run.run_id!r}")
+            if info.stage != k:
+                problems.append(f"serves stage {info.stage}, listed as stage {k}")
+            if info.model_hash != run.model_hash():
+                problems.append("has a different model or stage split (model hash)")
+            if problems:
+                raise ConfigError(f"--peers: {client.address}: " + "; ".join(problems))
+
+    def microbatch(self, batch: Batch, step: int, name: str, train: bool = True) -> float:
+        """Forward (and, when training, backward) one microbatch through every stage; its loss."""
+        mb_id = f"{self.trace}-{name}"
+        last = len(self.clients) - 1
+        inputs: list[pb.Tensor] = [encode(batch.inputs)]
+        for k in range(last):
+            inputs.append(self.clients[k].forward(k, inputs[k], mb_id, step, train=train).output)
+        scale = batch.inputs.shape[0] / self.run.training.global_batch
+        out = self.clients[last].forward(
+            last, inputs[last], mb_id, step, targets=encode(batch.targets), train=train, loss_scale=scale
+        )
+        if train:
+            grad = out.input_grad
+            for k in range(last - 1, -1, -1):
+                grad = self.clients[k].backward(k, inputs[k], grad, mb_id, step).input_grad
+        return out.loss
+
+    def bytes_on_wire(self) -> int:
+        return sum(c.bytes_sent + c.bytes_received for c in self.clients)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+def train_pipeline(run: RunConfig, addresses: list[str], steps: int, inflight: int = 4, log_json=None) -> list[dict]:
+    t = run.training
+    pipe = Pipeline(run, addresses)
+    data = TokenStream.from_config(run.data, run.model.seq_len, t.seed)
+    val = data.val_batches(t.eval_batches, t.micro_batch)
+    log = RunLog(steps, log_json, desc=f"train ({run.stages.count} stages, {inflight} in flight)")
+    pool = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="microbatch")
+    tokens_per_step = t.global_batch * run.model.seq_len
+    try:
+        for step in range(steps):
+            jobs = [
+                pool.submit(pipe.microbatch, data.microbatch(step, i, t.micro_batch), step, f"{step}.{i}")
+                for i in range(t.accumulation)
+            ]
+            loss = sum(j.result() for j in jobs) / len(jobs)
+            val_loss = None
+            if eval_due(step, steps, t.eval_every):
+                jobs = [pool.submit(pipe.microbatch, b, step, f"val{step}.{i}", False) for i, b in enumerate(val)]
+                val_loss = sum(j.result() for j in jobs) / len(jobs)
+            log.step(step, loss, tokens_per_step, val_loss, wire_bytes=pipe.bytes_on_wire())
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        wire = pipe.bytes_on_wire()
+        pipe.close()
+    tokens = max(log.tokens, 1)
+    log.close(codec=run.wire.codec, **{"wire bytes": f"{wire:,} ({wire / tokens:,.0f} per token)"})
+    return log.records
