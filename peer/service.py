@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent import futures
-from typing import Callable
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from peer.requests import RequestError, StageShape, invalid, parse_backward, parse_forward, check_target
+from peer.requests import RequestError, StageShape, check_target, invalid, parse_backward, parse_forward
 from peer.worker import StageWorker
 from swarm import __version__
 from swarm.config import RunConfig

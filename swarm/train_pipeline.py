@@ -13,6 +13,8 @@ from __future__ import annotations
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+
 from swarm.client import StageClient
 from swarm.config import ConfigError, RunConfig
 from swarm.data import Batch, TokenStream
@@ -33,10 +35,8 @@ class Pipeline:
         for k, client in enumerate(self.clients):
             try:
                 info = client.info()
-            except Exception as err:
-                raise ConfigError(
-                    f"--peers: {client.address} does not answer: {getattr(err, 'details', lambda: err)()}"
-                ) from None
+            except grpc.RpcError as err:
+                raise ConfigError(f"--peers: {client.address} does not answer ({err.code().name})") from None
             problems = []
             if info.run_id != run.run_id:
                 problems.append(f"serves run {info.run_id!r}, not {run.run_id!r}")
