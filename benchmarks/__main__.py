@@ -8,6 +8,8 @@ import sys
 
 BENCHMARKS = {
     "local": "benchmarks.local",
+    "pipeline": "benchmarks.pipeline",
+    "wire": "benchmarks.wire",
 }
 
 

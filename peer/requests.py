@@ -50,6 +50,8 @@ class StageShape:
 
 
 def check_target(run: RunConfig, stage: int, run_id: str, requested: int) -> None:
+    if not run_id:  # an empty (or all-default) request is malformed, not meant for another run
+        raise invalid("run_id: missing")
     if run_id != run.run_id:
         raise RequestError(
             grpc.StatusCode.FAILED_PRECONDITION,

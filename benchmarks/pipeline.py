@@ -1,0 +1,120 @@
+"""`python -m benchmarks pipeline`: tokens/s through 2 stage workers + 1 trainer ÷ the reference trainer.
+
+Both are measured in the same run on the same machine: the reference trainer (the whole model in
+this process) and then, per codec, two `swarm peer` processes serving the two stages with the
+pipelined trainer driving them. Efficiency = pipeline tokens/s ÷ reference tokens/s. Bytes on the
+wire per token are counted by the trainer's clients (both directions, all stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.results import append_row
+from swarm.config import RunConfig, load_config
+from swarm.train_local import train_local
+from swarm.train_pipeline import train_pipeline
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/small.toml")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="steps excluded from tokens/s")
+    p.add_argument("--codecs", default="none,fp16,bf16,int8")
+    p.add_argument("--inflight", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per stage worker")
+    p.add_argument("--device", default=None, help="device for the reference trainer and the workers")
+
+
+def steady_tokens_per_s(records: list[dict], warmup: int) -> float:
+    first, last = records[warmup - 1] if warmup else None, records[-1]
+    if first is None:
+        return last["tokens_per_s"]
+    return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
+
+
+def start_workers(config_path: Path, stages: int, threads: int, device: str | None, log_dir: Path) -> tuple[list, list]:
+    procs, addresses = [], []
+    for k in range(stages):
+        cmd = [sys.executable, "-m", "swarm.cli", "peer", "--config", str(config_path), "--stage", str(k),
+               "--port", "0", "--threads", str(threads)]
+        if device:
+            cmd += ["--device", device]
+        log = open(log_dir / f"stage{k}.log", "w+")  # noqa: SIM115 (the child owns it)
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        deadline = time.monotonic() + 120
+        while True:
+            m = re.search(r"serving on (\S+:\d+)", (log_dir / f"stage{k}.log").read_text())
+            if m:
+                addresses.append(m.group(1))
+                break
+            if procs[-1].poll() is not None or time.monotonic() > deadline:
+                stop_workers(procs)
+                raise RuntimeError(f"stage {k} worker did not start:\n{(log_dir / f'stage{k}.log').read_text()}")
+            time.sleep(0.1)
+    return procs, addresses
+
+
+def stop_workers(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def with_codec(run: RunConfig, codec: str, path: Path, source: Path) -> RunConfig:
+    text = re.sub(r'(?m)^codec = ".*"$', f'codec = "{codec}"', source.read_text())
+    text = re.sub(r"(?m)^eval_every = \d+$", "eval_every = 0", text)
+    path.write_text(text)
+    return load_config(path)
+
+
+def run(args: argparse.Namespace) -> str:
+    source = Path(args.config)
+    base = load_config(source)
+    if base.stages.count != 2:
+        base = base.with_stages(2)
+    print(f"reference trainer: {args.steps} steps of {args.config}", flush=True)
+    ref = steady_tokens_per_s(train_local(base, args.steps, device=args.device), args.warmup)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for codec in args.codecs.split(","):
+            cfg_path = tmp / f"{codec}.toml"
+            cfg = with_codec(base, codec, cfg_path, source)
+            print(f"pipeline, codec {codec}: 2 workers x {args.threads} threads, {args.inflight} in flight", flush=True)
+            procs, addresses = start_workers(cfg_path, cfg.stages.count, args.threads, args.device, tmp)
+            try:
+                records = train_pipeline(cfg, addresses, args.steps, inflight=args.inflight)
+            finally:
+                stop_workers(procs)
+            tps = steady_tokens_per_s(records, args.warmup)
+            per_token = records[-1]["wire_bytes"] / records[-1]["tokens"]
+            rows.append((codec, tps, per_token))
+    fp32 = next((b for c, b in rows if c == "none"), None)
+    out = []
+    for codec, tps, per_token in rows:
+        out.append(append_row(
+            "pipeline: 2 stage workers + trainer ÷ reference trainer",
+            ["config", "codec", "steps", "reference tokens/s", "pipeline tokens/s", "efficiency",
+             "wire bytes/token", "÷ fp32", "notes"],
+            [args.config, codec, args.steps, f"{ref:,.0f}", f"{tps:,.0f}", f"{tps / ref:.2f}", f"{per_token:,.0f}",
+             f"{per_token / fp32:.3f}" if fp32 else "-",
+             f"workers {args.threads} thread(s) each, {args.inflight} in flight; goal efficiency >= 0.9, "
+             "int8 <= 0.26 x fp32"],
+        ))
+    print("\n".join(out))
+    return out[-1]

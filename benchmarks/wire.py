@@ -1,0 +1,478 @@
+"""`python -m benchmarks wire`: Forward and Forward+Backward round trip, our gRPC stage vs hivemind's RemoteExpert.
+
+Both sides host the same torch module over loopback (127.0.0.1), each server in its own process
+(spawned; torch pinned to one thread in every process, the client included):
+
+- ours: `peer.service.start_server` in front of a `StageWorker` serving a middle stage, called
+  with `swarm.client.StageClient`; the codec is the run's `wire.codec` (responses) and the one
+  the client encodes its requests with.
+- hivemind: a `hivemind.moe.server.Server` with one `ModuleBackend` per (module, codec), called
+  through `hivemind.moe.client.RemoteExpert` (hivemind's p2p: client p2pd -> server p2pd over TCP
+  loopback); the codec is the `BatchTensorDescriptor` compression of inputs, outputs and grads.
+
+Modules: "noop" (a middle stage with no blocks: the identity, so the transport alone) and
+"block" (a middle stage holding exactly one transformer block of the config, rotary tables
+included: [B, T, D] -> [B, T, D]). Weights are identical on both sides (deterministic init).
+
+Neither side takes an optimizer step during the benchmark (hivemind: optimizer=None; ours:
+training.global_batch set out of reach), so both only compute and accumulate gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from benchmarks.results import append_row
+from swarm.config import RunConfig, load_config
+from swarm.model import Stage
+
+SECTION = "wire: Forward / Forward+Backward round trip, ours vs hivemind RemoteExpert"
+COLUMNS = [
+    "module",
+    "codec",
+    "activation",
+    "ours fwd ms",
+    "hivemind fwd ms",
+    "ratio fwd",
+    "ours fwd+bwd ms",
+    "hivemind fwd+bwd ms",
+    "ratio fwd+bwd",
+    "notes",
+]
+MODULES = ("noop", "block")
+CODECS = ("none", "fp16", "bf16", "int8")
+GOALS = {"noop": 0.3, "block": 0.7}  # wanted: ours / hivemind at most this
+STAGE = 1  # the middle stage of a 3-stage cut: [B, T, D] in and out
+HIVEMIND_MAX_BATCH = 64  # examples per hivemind batch (>= one request; a lone request is never held back)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/small.toml", help="model of the 'block' module")
+    p.add_argument("--reps", type=int, default=30, help="timed round trips per measurement")
+    p.add_argument("--warmup", type=int, default=5, help="untimed round trips before each measurement")
+    p.add_argument("--codecs", default=",".join(CODECS), help=f"comma-separated subset of {','.join(CODECS)}")
+    p.add_argument("--modules", default=",".join(MODULES), help=f"comma-separated subset of {','.join(MODULES)}")
+    p.add_argument("--batch", type=int, default=8, help="activation [batch, seq_len, d_model]")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the config's model.seq_len")
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="ours: serve.cache_size = 0, so Backward recomputes the forward like hivemind does",
+    )
+
+
+# -- the module and run config, shared by both sides ------------------------------------------
+
+
+def bench_run(config: str, codec: str, cache: bool = True) -> RunConfig:
+    """The config cut into 3 stages with exactly one block in the middle one, at `codec`."""
+    run = load_config(config)
+    n = run.model.n_layers
+    if n < 3:
+        raise SystemExit(f"{config}: needs at least 3 layers (a middle stage with one block)")
+    data = run.with_stages(3, [1, 1, n - 2]).model_dump()
+    data["wire"]["codec"] = codec
+    # No optimizer step within the benchmark (hivemind's side runs without an optimizer too).
+    data["training"]["global_batch"] = data["training"]["micro_batch"] * 10**6
+    if not cache:
+        data["serve"]["cache_size"] = 0
+    return RunConfig.model_validate(data)
+
+
+def build_module(run: RunConfig, kind: str) -> Stage:
+    stage = Stage(run, STAGE)
+    if kind == "noop":
+        stage.layers = nn.ModuleDict()  # a middle stage without blocks is the identity
+    return stage
+
+
+class Hosted(nn.Module):
+    """What hivemind hosts: the stage, taking and returning [B, T, D]; in bf16 on the wire if asked
+    (hivemind has no bf16 codec: the tensors themselves are bf16 and travel uncompressed)."""
+
+    def __init__(self, inner: nn.Module, bf16: bool):
+        super().__init__()
+        self.inner, self.bf16 = inner, bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16:
+            return self.inner(x.float()).to(torch.bfloat16)
+        return self.inner(x)
+
+
+# -- hivemind's codec for each of ours --------------------------------------------------------
+
+
+def _import_hivemind():
+    # hivemind's efficient bf16 mode (without it, bfloat16 tensors travel as float32); read once
+    # when hivemind.compression is imported, so set before the first import in every process.
+    os.environ["USE_LEGACY_BFLOAT16"] = "0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import hivemind  # noqa: F401
+    import hivemind.compression as hc
+
+    if hc.base.USE_LEGACY_BFLOAT16:
+        raise RuntimeError("hivemind was imported before USE_LEGACY_BFLOAT16=0 could take effect")
+    return hc
+
+
+def hivemind_int8_error() -> str | None:
+    """Why hivemind's 8-bit codecs cannot be used here, or None when UNIFORM_8BIT round-trips."""
+    hc = _import_hivemind()
+    from hivemind.proto.runtime_pb2 import CompressionType
+
+    try:
+        t = torch.randn(4, 256)
+        back = hc.deserialize_torch_tensor(hc.serialize_torch_tensor(t, CompressionType.UNIFORM_8BIT))
+        if back.shape != t.shape:
+            return "UNIFORM_8BIT returned the wrong shape"
+    except Exception as err:  # noqa: BLE001 - any failure means: not usable
+        return f"UNIFORM_8BIT fails: {type(err).__name__}: {str(err).splitlines()[0]}"
+    return None
+
+
+def hivemind_codec(codec: str, int8_ok: bool) -> str:
+    """Which codec hivemind runs in the row for our `codec` (int8 falls back to fp16 when broken)."""
+    return "fp16" if codec == "int8" and not int8_ok else codec
+
+
+def _compression(codec: str):
+    from hivemind.proto.runtime_pb2 import CompressionType
+
+    return {
+        "none": CompressionType.NONE,
+        "bf16": CompressionType.NONE,
+        "fp16": CompressionType.FLOAT16,
+        "int8": CompressionType.UNIFORM_8BIT,
+    }[codec]
+
+
+def expert_uid(kind: str, codec: str) -> str:
+    return f"{kind}_{codec}.0"
+
+
+# -- the two servers, each in its own spawned process ------------------------------------------
+
+
+def _ours_main(config: str, pairs: list[tuple[str, str]], cache: bool, conn) -> None:
+    torch.set_num_threads(1)
+    from peer.service import start_server
+    from peer.worker import StageWorker
+
+    served = []
+    try:
+        ports = {}
+        for kind, codec in pairs:
+            worker = StageWorker(bench_run(config, codec, cache), STAGE, torch.device("cpu"))
+            if kind == "noop":
+                worker.stage.layers = nn.ModuleDict()
+            server, _, port = start_server(worker, "127.0.0.1", 0)
+            served.append((server, worker))
+            ports[(kind, codec)] = port
+        conn.send(("ok", ports))
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+    try:
+        conn.recv()  # until told to stop (or the parent goes away)
+    except EOFError:
+        pass
+    for server, worker in served:
+        server.stop(grace=None)
+        worker.close()
+
+
+def _hivemind_main(config: str, pairs: list[tuple[str, str]], shape: tuple[int, ...], conn) -> None:
+    torch.set_num_threads(1)
+    _import_hivemind()
+    from hivemind import DHT
+    from hivemind.moe import ModuleBackend, Server
+    from hivemind.utils.tensor_descr import BatchTensorDescriptor
+
+    server = None
+    try:
+        dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        backends = {}
+        run = bench_run(config, "none")
+        for kind, codec in pairs:
+            bf16 = codec == "bf16"
+            desc = BatchTensorDescriptor(
+                *shape[1:], dtype=torch.bfloat16 if bf16 else torch.float32, compression=_compression(codec)
+            )
+            uid = expert_uid(kind, codec)
+            backends[uid] = ModuleBackend(
+                name=uid,
+                module=Hosted(build_module(run, kind), bf16),
+                optimizer=None,
+                args_schema=(desc,),
+                outputs_schema=desc,
+                # TaskPool: dispatch as soon as min_batch_size examples are queued and the queue is
+                # empty, so a lone request goes straight to the runtime; `timeout` only bounds the
+                # wait while below min_batch_size (never, with 1).
+                min_batch_size=1,
+                max_batch_size=HIVEMIND_MAX_BATCH,
+                timeout=None,
+            )
+        server = Server(dht, backends, num_connection_handlers=1, start=True)
+        conn.send(("ok", (dht.peer_id.to_bytes(), [str(a) for a in dht.get_visible_maddrs()])))
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+    if server is not None:
+        server.shutdown()
+        server.join(timeout=30)
+
+
+class Child:
+    """A spawned server process and the pipe that tells it to stop."""
+
+    def __init__(self, name: str, target: Callable, *args):
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.conn, child_conn = ctx.Pipe()
+        # Not daemonic: hivemind's server starts processes of its own.
+        self.proc = ctx.Process(target=target, args=(*args, child_conn), name=name)
+        self.proc.start()
+        child_conn.close()
+
+    def ready(self, timeout: float = 180.0):
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"{self.name}: not ready after {timeout:.0f} s")
+        try:
+            status, payload = self.conn.recv()
+        except EOFError:
+            status, payload = "error", f"exited with code {self.proc.exitcode}"
+        if status != "ok":
+            raise RuntimeError(f"{self.name}: failed to start: {payload}")
+        return payload
+
+    def stop(self, timeout: float = 60.0) -> None:
+        try:
+            self.conn.send("stop")
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            print(f"  {self.name} did not stop in {timeout:.0f} s: terminating it", flush=True)
+            self.proc.terminate()
+            self.proc.join(10)
+        self.conn.close()
+
+
+# -- the calls being timed -------------------------------------------------------------------
+
+
+def ours_forward(client, x: torch.Tensor, codec: str, mb: str) -> torch.Tensor:
+    from swarm.wire import decode, encode
+
+    resp = client.forward(STAGE, encode(x, codec), mb, 0, train=False)
+    return decode(resp.output)
+
+
+def ours_fwd_bwd(client, x: torch.Tensor, g: torch.Tensor, codec: str, mb: str):
+    from swarm.wire import decode, encode
+
+    inputs = encode(x, codec)
+    out = decode(client.forward(STAGE, inputs, mb, 0, train=True).output)
+    grad = decode(client.backward(STAGE, inputs, encode(g, codec), mb, 0).input_grad)
+    return out, grad
+
+
+def hm_forward(expert, x: torch.Tensor, codec: str) -> torch.Tensor:
+    with torch.no_grad():
+        return expert(x.to(torch.bfloat16) if codec == "bf16" else x).float()
+
+
+def hm_fwd_bwd(expert, x: torch.Tensor, g: torch.Tensor, codec: str):
+    xin = (x.to(torch.bfloat16) if codec == "bf16" else x.detach()).requires_grad_(True)
+    out = expert(xin)
+    out.backward(g.to(out.dtype))
+    return out.float(), xin.grad.float()
+
+
+def timed_pair(fa: Callable, fb: Callable, warmup: int, reps: int) -> tuple[float, float]:
+    """Median ms of `fa` and of `fb`, interleaved (alternating which goes first) against drift."""
+    for i in range(warmup):
+        fa(-1 - 2 * i)
+        fb(-2 - 2 * i)
+    ta, tb = [], []
+    for i in range(reps):
+        order = [(fa, ta), (fb, tb)] if i % 2 == 0 else [(fb, tb), (fa, ta)]
+        for f, times in order:
+            start = time.perf_counter()
+            f(i)
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(ta), statistics.median(tb)
+
+
+# -- the benchmark ----------------------------------------------------------------------------
+
+
+def _subset(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        raise SystemExit(f"--{what}: {', '.join(bad) or '(empty)'} not in {', '.join(allowed)}")
+    return items
+
+
+def run(args: argparse.Namespace) -> str:
+    codecs = _subset(args.codecs, CODECS, "codecs")
+    kinds = _subset(args.modules, MODULES, "modules")
+    base = bench_run(args.config, "none")
+    shape = (args.batch, args.seq_len or base.model.seq_len, base.model.d_model)
+    act = f"[{','.join(map(str, shape))}] f32"
+    cache = not args.no_cache
+    torch.set_num_threads(1)
+
+    int8_error = hivemind_int8_error() if "int8" in codecs else None
+    hm_of = {c: hivemind_codec(c, int8_error is None) for c in codecs}
+    ours_pairs = [(k, c) for k in kinds for c in codecs]
+    hm_pairs = [(k, c) for k in kinds for c in dict.fromkeys(hm_of.values())]
+
+    print(f"wire: activation {act}, {args.warmup} warmup + {args.reps} timed round trips each", flush=True)
+    if int8_error:
+        print(f"  hivemind int8: {int8_error}; our int8 is compared with hivemind fp16", flush=True)
+    print("  starting our stage servers and hivemind's server (spawned, 1 torch thread each) ...", flush=True)
+    children: list[Child] = []
+    hm_dht = channels = None
+    rows, summary = [], []
+    try:
+        ours_child = Child("ours-server", _ours_main, args.config, ours_pairs, cache)
+        children.append(ours_child)
+        hm_child = Child("hivemind-server", _hivemind_main, args.config, hm_pairs, shape)
+        children.append(hm_child)
+        ports = ours_child.ready()
+        peer_bytes, maddrs = hm_child.ready()
+
+        # hivemind's client first: its DHT forks, which must happen before any gRPC channel exists.
+        from hivemind import DHT
+        from hivemind.moe.client.expert import create_remote_experts
+        from hivemind.moe.expert_uid import ExpertInfo
+        from hivemind.p2p import PeerID
+
+        hm_dht = DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True, start=True)
+        peer = PeerID(peer_bytes)
+        infos = [ExpertInfo(expert_uid(k, c), peer) for k, c in hm_pairs]
+        experts = dict(zip(hm_pairs, create_remote_experts(infos, hm_dht), strict=True))
+        for expert in experts.values():
+            _ = expert.info  # fetch the schema once, outside the timings
+
+        from swarm.client import StageClient
+
+        channels = {
+            pair: StageClient(f"127.0.0.1:{ports[pair]}", bench_run(args.config, pair[1], cache)) for pair in ours_pairs
+        }
+
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(shape, generator=gen)
+        g = torch.randn(shape, generator=gen) * 1e-3
+        run_cfg = bench_run(args.config, "none")
+        for kind in kinds:
+            reference = build_module(run_cfg, kind)
+            xr = x.clone().requires_grad_(True)
+            ref_out = reference(xr)
+            ref_out.backward(g)
+            for codec in codecs:
+                hc = hm_of[codec]
+                client, expert = channels[(kind, codec)], experts[(kind, hc)]
+                label = f"{kind:5s} {codec:4s}" + (f" (hivemind {hc})" if hc != codec else "")
+
+                # Sanity: both sides compute the same thing (to the codec's precision).
+                o_ours, gi_ours = ours_fwd_bwd(client, x, g, codec, "check")
+                o_hm, gi_hm = hm_fwd_bwd(expert, x, g, hc)
+                err = {
+                    "ours out": (o_ours - ref_out).abs().max().item(),
+                    "hm out": (o_hm - ref_out).abs().max().item(),
+                    "ours grad": (gi_ours - xr.grad).abs().max().item(),
+                    "hm grad": (gi_hm - xr.grad).abs().max().item(),
+                }
+                print(f"  {label}: max |err| vs local " + ", ".join(f"{k} {v:.1e}" for k, v in err.items()))
+                if codec == "none" and max(err.values()) > 1e-4:
+                    print("  WARNING: codec none should match the local module: the two sides differ")
+
+                print(f"  {label}: Forward ...", flush=True)
+                f_ours, f_hm = timed_pair(
+                    lambda i, c=client, cd=codec: ours_forward(c, x, cd, f"f{i}"),
+                    lambda i, e=expert, cd=hc: hm_forward(e, x, cd),
+                    args.warmup,
+                    args.reps,
+                )
+                print(f"  {label}: Forward+Backward ...", flush=True)
+                fb_ours, fb_hm = timed_pair(
+                    lambda i, c=client, cd=codec: ours_fwd_bwd(c, x, g, cd, f"fb{i}"),
+                    lambda i, e=expert, cd=hc: hm_fwd_bwd(e, x, g, cd),
+                    args.warmup,
+                    args.reps,
+                )
+                r_f, r_fb = f_ours / f_hm, fb_ours / fb_hm
+                goal = GOALS[kind]
+                met = "met" if max(r_f, r_fb) <= goal else ("met for fwd+bwd only" if r_fb <= goal else "not met")
+                if r_f <= goal < r_fb:
+                    met = "met for fwd only"
+                notes = [f"goal ratio <= {goal}: {met}"]
+                if hc != codec:
+                    notes.append(f"hivemind at {hc}: its 8-bit codecs are n/a ({int8_error})")
+                if codec == "bf16":
+                    notes.append("hivemind bf16 = bf16 tensors, CompressionType.NONE, USE_LEGACY_BFLOAT16=0")
+                notes.append(
+                    "ours Backward reuses the Forward's cached graph (hivemind recomputes)"
+                    if cache
+                    else "ours cache off (both recompute in backward)"
+                )
+                notes.append(
+                    f"{args.reps} reps median, loopback, torch 1 thread/process, no optimizer step; "
+                    f"hivemind min_batch_size=1 max_batch_size={HIVEMIND_MAX_BATCH} timeout=None"
+                )
+                values = [
+                    kind,
+                    codec,
+                    act,
+                    f"{f_ours:.2f}",
+                    f"{f_hm:.2f}",
+                    f"{r_f:.2f}",
+                    f"{fb_ours:.2f}",
+                    f"{fb_hm:.2f}",
+                    f"{r_fb:.2f}",
+                    "; ".join(notes),
+                ]
+                rows.append(append_row(SECTION, COLUMNS, values))
+                summary.append((kind, codec, hc, f_ours, f_hm, r_f, fb_ours, fb_hm, r_fb, goal))
+                print(
+                    f"  {label}: fwd {f_ours:.2f} vs {f_hm:.2f} ms (x{r_f:.2f}), "
+                    f"fwd+bwd {fb_ours:.2f} vs {fb_hm:.2f} ms (x{r_fb:.2f})",
+                    flush=True,
+                )
+    finally:
+        for client in (channels or {}).values():
+            client.close()
+        if hm_dht is not None:
+            hm_dht.shutdown()
+        for child in reversed(children):
+            child.stop()
+
+    _print_summary(summary, act)
+    return "\n".join(rows)
+
+
+def _print_summary(summary: list[tuple], act: str) -> None:
+    print(f"\nmedian round trip, ms ({act}); ratio = ours / hivemind; goal <= 0.3 (noop), <= 0.7 (block)")
+    head = ("module", "codec", "hivemind", "ours fwd", "hm fwd", "ratio", "ours f+b", "hm f+b", "ratio", "goal")
+    print("  ".join(f"{h:>9s}" for h in head))
+    for kind, codec, hc, f_o, f_h, r_f, fb_o, fb_h, r_fb, goal in summary:
+        ok = "ok" if max(r_f, r_fb) <= goal else "MISSED"
+        cells = [kind, codec, hc, f"{f_o:.2f}", f"{f_h:.2f}", f"{r_f:.2f}", f"{fb_o:.2f}", f"{fb_h:.2f}", f"{r_fb:.2f}"]
+        print("  ".join(f"{c:>9s}" for c in [*cells, f"{ok} {goal}"]))
+    print()

@@ -1,0 +1,178 @@
+"""Training through real stage workers (separate processes, gRPC on loopback)."""
+
+import json
+import tomllib
+
+import pytest
+import torch
+
+from swarm.config import parse_config
+from swarm.data import TokenStream
+from swarm.model import Stage, lm_loss
+from swarm.train_pipeline import Pipeline
+from swarm.wire import decode
+from tests.conftest import CONFIGS, run_cli
+from tests.processes import start_peer
+
+
+def write_config(tmp_path, name: str, stages: int, layers=None, codec="none", **training) -> tuple:
+    data = tomllib.loads((CONFIGS / "tiny.toml").read_text())
+    data["stages"] = {"count": stages, **({"layers": layers} if layers else {})}
+    data["wire"]["codec"] = codec
+    data["training"].update(training)
+    run = parse_config(data)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(toml_dump(data))
+    return run, path
+
+
+def toml_dump(data: dict) -> str:
+    """Enough TOML for a run config: scalars, lists and one level of tables."""
+
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return repr(v)
+
+    lines = [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for section, table in data.items():
+        if isinstance(table, dict):
+            lines.append(f"\n[{section}]")
+            lines += [f"{k} = {value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def start_pipeline(path, stages, tmp_path):
+    procs, addresses = [], []
+    try:
+        for k in range(stages):
+            proc, address = start_peer(path, k, tmp_path)
+            procs.append(proc)
+            addresses.append(address)
+    except Exception:
+        for p in procs:
+            p.stop()
+        raise
+    return procs, addresses
+
+
+@pytest.mark.parametrize(
+    "stages, layers, cache_size",
+    [(2, None, 64), (3, [2, 1, 1], 64), (3, [1, 2, 1], 0)],
+    ids=["2 stages", "3 stages", "3 stages, backward recomputes"],
+)
+def test_pipeline_matches_the_whole_model(tmp_path, stages, layers, cache_size):
+    run, path = write_config(tmp_path, "equal", stages, layers, global_batch=16, micro_batch=8)
+    if cache_size == 0:
+        path.write_text(path.read_text() + f"\n[serve]\ncache_size = {cache_size}\n")
+    procs, addresses = start_pipeline(path, stages, tmp_path)
+    try:
+        pipe = Pipeline(run, addresses)
+        data = TokenStream.from_config(run.data, run.model.seq_len, run.training.seed)
+        batch = data.microbatch(0, 0, run.training.micro_batch)
+        loss = pipe.microbatch(batch, step=0, name="check")  # half a global batch: no optimizer step yet
+
+        whole = Stage(run.with_stages(1), 0)
+        ref_loss = lm_loss(whole(batch.inputs), batch.targets)
+        (ref_loss * batch.inputs.shape[0] / run.training.global_batch).backward()
+        ref_grads = {n: p.grad for n, p in whole.named_parameters()}
+
+        assert abs(loss - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+        seen = set()
+        for k, client in enumerate(pipe.clients):
+            state = client.parameters(k, with_grads=True)
+            assert state.optimizer_steps == 0
+            for item in state.grads:
+                g, ref = decode(item.tensor), ref_grads[item.name]
+                assert (g - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), item.name
+                seen.add(item.name)
+        assert seen == set(ref_grads)
+        pipe.close()
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def run_pipeline(tmp_path, codec: str, steps: int) -> list[dict]:
+    run, path = write_config(tmp_path, codec, 2, codec=codec, eval_every=0)
+    procs, addresses = start_pipeline(path, 2, tmp_path)
+    log = tmp_path / f"{codec}.jsonl"
+    try:
+        result = run_cli(
+            "train",
+            "--config",
+            str(path),
+            "--peers",
+            ",".join(addresses),
+            "--steps",
+            str(steps),
+            "--inflight",
+            "2",
+            "--log-json",
+            str(log),
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    finally:
+        for p in procs:
+            p.stop()
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def final_loss(records: list[dict]) -> float:
+    return sum(r["loss"] for r in records[-5:]) / 5
+
+
+def test_lossy_codecs_train_like_the_uncompressed_run(tmp_path):
+    steps = 50
+    reference = run_pipeline(tmp_path, "none", steps)
+    assert len(reference) == steps and final_loss(reference) < 3.0
+    for codec in ("fp16", "bf16", "int8"):
+        records = run_pipeline(tmp_path, codec, steps)
+        assert len(records) == steps
+        ratio = final_loss(records) / final_loss(reference)
+        assert abs(ratio - 1) <= 0.03, f"{codec}: loss {final_loss(records):.4f} vs {final_loss(reference):.4f}"
+        # lossy codecs put fewer bytes on the wire than raw float32
+        assert records[-1]["wire_bytes"] < reference[-1]["wire_bytes"]
+
+
+def test_trainer_refuses_a_mismatched_pipeline(tmp_path):
+    run, path = write_config(tmp_path, "two", 2)
+    procs, addresses = start_pipeline(path, 2, tmp_path)
+    try:
+        result = run_cli("train", "--config", str(path), "--peers", ",".join(reversed(addresses)), "--steps", "1")
+        assert result.returncode == 2
+        assert "serves stage 1, listed as stage 0" in result.stderr
+        result = run_cli("train", "--config", str(path), "--peers", addresses[0], "--steps", "1")
+        assert result.returncode == 2 and "1 addresses for a run of 2 stages" in result.stderr
+        assert "Traceback" not in result.stderr
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_worker_reports_itself(tmp_path):
+    run, path = write_config(tmp_path, "info", 2)
+    procs, addresses = start_pipeline(path, 2, tmp_path)
+    try:
+        pipe = Pipeline(run, addresses)
+        data = TokenStream.from_config(run.data, run.model.seq_len, run.training.seed)
+        for i in range(run.training.accumulation):
+            pipe.microbatch(data.microbatch(0, i, run.training.micro_batch), 0, f"m{i}")
+        info = pipe.clients[1].info()
+        assert (info.run_id, info.stage, info.num_stages, info.codec) == (run.run_id, 1, 2, "none")
+        assert info.model_hash == run.model_hash()
+        assert info.samples_served == run.training.global_batch and info.optimizer_steps == 1
+        assert info.throughput > 0 and info.bytes_received > 0 and info.bytes_sent > 0
+        # after a step, both stages hold updated weights that differ from the seeded init
+        fresh = Stage(run, 0).state_dict()
+        params = {p.name: decode(p.tensor) for p in pipe.clients[0].parameters(0).parameters}
+        assert not torch.equal(params["embed_tokens.weight"], fresh["embed_tokens.weight"])
+        pipe.close()
+    finally:
+        for p in procs:
+            p.stop()
+    assert all(p.popen.returncode == 0 for p in procs)
