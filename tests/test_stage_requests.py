@@ -11,6 +11,7 @@ import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -37,7 +38,7 @@ SERVER_FAULTS = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 # -- workers ---------------------------------------------------------------------------------
 
 
-def small_limit_config(tmp) -> object:
+def small_limit_config(tmp: Path) -> Path:
     """tiny.toml with a 1 MB gRPC message limit."""
     text = CONFIG.read_text()
     assert text.count('codec = "none"\n') == 1
@@ -70,9 +71,11 @@ def workers(tmp_path_factory):
     # Every client has tiny.toml's 256 MB limit, so oversized requests reach the server.
     handles = {name: (proc, StageClient(address, RUN, timeout=30)) for name, (proc, address) in started.items()}
     yield handles
+    alive = {name: proc.popen.poll() is None for name, (proc, _) in handles.items()}
     for proc, client in handles.values():
         client.close()
         proc.stop()
+    assert all(alive.values()), f"a worker died during the module: {alive}"
 
 
 # -- building requests -----------------------------------------------------------------------
@@ -323,7 +326,7 @@ def test_message_over_grpc_limit(workers):
     assert fits.ByteSize() < 2**20 < 10 * SEQ * V * 4
     expect_refused(client, "Forward", fits, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
     expect_serves(client, LAST)
-    # Just under the limit is served.
+    # A large request under the limit is served.
     resp = client.forward(LAST, encode(hidden(12, SEQ)), "fits", step=0, targets=encode(ids(12, SEQ)), train=False)
     assert math.isfinite(resp.loss)
 
