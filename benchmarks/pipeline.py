@@ -44,13 +44,32 @@ def steady_tokens_per_s(records: list[dict], warmup: int) -> float:
 def start_workers(config_path: Path, stages: int, threads: int, device: str | None, log_dir: Path) -> tuple[list, list]:
     procs, addresses = [], []
     for k in range(stages):
-        cmd = [sys.executable, "-m", "swarm.cli", "peer", "--config", str(config_path), "--stage", str(k),
-               "--port", "0", "--threads", str(threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "peer",
+            "--config",
+            str(config_path),
+            "--stage",
+            str(k),
+            "--port",
+            "0",
+            "--threads",
+            str(threads),
+        ]
         if device:
             cmd += ["--device", device]
         log = open(log_dir / f"stage{k}.log", "w+")  # noqa: SIM115 (the child owns it)
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        )
         deadline = time.monotonic() + 120
         while True:
             m = re.search(r"serving on (\S+:\d+)", (log_dir / f"stage{k}.log").read_text())
@@ -107,14 +126,33 @@ def run(args: argparse.Namespace) -> str:
     fp32 = next((b for c, b in rows if c == "none"), None)
     out = []
     for codec, tps, per_token in rows:
-        out.append(append_row(
-            "pipeline: 2 stage workers + trainer ÷ reference trainer",
-            ["config", "codec", "steps", "reference tokens/s", "pipeline tokens/s", "efficiency",
-             "wire bytes/token", "÷ fp32", "notes"],
-            [args.config, codec, args.steps, f"{ref:,.0f}", f"{tps:,.0f}", f"{tps / ref:.2f}", f"{per_token:,.0f}",
-             f"{per_token / fp32:.3f}" if fp32 else "-",
-             f"workers {args.threads} thread(s) each, {args.inflight} in flight; goal efficiency >= 0.9, "
-             "int8 <= 0.26 x fp32"],
-        ))
+        out.append(
+            append_row(
+                "pipeline: 2 stage workers + trainer ÷ reference trainer",
+                [
+                    "config",
+                    "codec",
+                    "steps",
+                    "reference tokens/s",
+                    "pipeline tokens/s",
+                    "efficiency",
+                    "wire bytes/token",
+                    "÷ fp32",
+                    "notes",
+                ],
+                [
+                    args.config,
+                    codec,
+                    args.steps,
+                    f"{ref:,.0f}",
+                    f"{tps:,.0f}",
+                    f"{tps / ref:.2f}",
+                    f"{per_token:,.0f}",
+                    f"{per_token / fp32:.3f}" if fp32 else "-",
+                    f"workers {args.threads} thread(s) each, {args.inflight} in flight; goal efficiency >= 0.9, "
+                    "int8 <= 0.26 x fp32",
+                ],
+            )
+        )
     print("\n".join(out))
     return out[-1]
