@@ -7,6 +7,7 @@ index, dtype, shape, size limits, finite values, decodable payload. A bad reques
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -14,7 +15,7 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.rpc import pb
-from swarm.wire import FLOAT_DTYPES, WireError, decode
+from swarm.wire import FLOAT_DTYPES, WireError, check, decode
 
 MAX_ID_LENGTH = 128
 
@@ -95,7 +96,8 @@ def decode_token_ids(msg: pb.Tensor, run: RunConfig, field: str, like: tuple[int
     return ids
 
 
-def decode_hidden(msg: pb.Tensor, run: RunConfig, field: str, width: int, like: tuple | None = None) -> torch.Tensor:
+def check_hidden(msg: pb.Tensor, run: RunConfig, field: str, width: int, like: tuple | None = None) -> tuple:
+    """Check a hidden-state (or gradient) message's header and payload size; its shape."""
     if msg.dtype not in FLOAT_DTYPES:
         raise invalid(f"{field}: dtype {msg.dtype or '(empty)'} where a floating tensor is expected")
     if len(msg.shape) != 3 or msg.shape[2] != width:
@@ -104,8 +106,25 @@ def decode_hidden(msg: pb.Tensor, run: RunConfig, field: str, width: int, like: 
     _batch_and_length(shape, run, field)
     if like is not None and shape[:2] != tuple(like[:2]):
         raise invalid(f"{field}: shape {list(shape)} does not match the input's {list(like)}")
+    try:
+        check(msg, field)
+    except WireError as err:
+        raise invalid(str(err)) from None
+    return shape
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    # NaN and +-Inf always show up in the minimum or maximum; one pass, no boolean temporary
+    # (about 10x cheaper than torch.isfinite(x).all() on a 2 MB activation).
+    if not x.numel():
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
+
+
+def decode_hidden(msg: pb.Tensor, run: RunConfig, field: str, width: int, like: tuple | None = None) -> torch.Tensor:
+    check_hidden(msg, run, field, width, like)
     x = _decode(msg, field)
-    if not torch.isfinite(x).all():
+    if not all_finite(x):
         raise invalid(f"{field}: contains NaN or Inf")
     return x
 
@@ -132,13 +151,28 @@ class ForwardWork:
     microbatch_id: str
     step: int
 
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.inputs.shape)
+
+
+@dataclass
+class CachedForward:
+    """A training forward's input and output, graph attached, kept for the matching backward."""
+
+    inputs: torch.Tensor
+    output: torch.Tensor
+    version: int  # optimizer steps taken when it was recorded
+
 
 @dataclass
 class BackwardWork:
-    inputs: torch.Tensor
+    inputs: torch.Tensor | None  # None when `cached` holds the forward: the input is not needed
     output_grad: torch.Tensor
     microbatch_id: str
     step: int
+    input_shape: tuple[int, ...]
+    cached: CachedForward | None = None
 
 
 def parse_forward(req: pb.ForwardRequest, shape: StageShape) -> ForwardWork:
@@ -161,11 +195,28 @@ def parse_forward(req: pb.ForwardRequest, shape: StageShape) -> ForwardWork:
     return ForwardWork(x, targets, req.train, scale, req.microbatch_id, req.step)
 
 
-def parse_backward(req: pb.BackwardRequest, shape: StageShape) -> BackwardWork:
+def parse_backward(
+    req: pb.BackwardRequest, shape: StageShape, claim_cached: Callable[[str], CachedForward | None] | None = None
+) -> BackwardWork:
+    """Check a Backward request. When `claim_cached` hands over this microbatch's recorded forward,
+    the input's header is still checked but its payload is not decoded: it will not be used."""
     check_target(shape.run, shape.stage, req.run_id, req.stage)
     check_microbatch_id(req.microbatch_id)
-    x = decode_stage_input(req.input, shape)
+    cached = claim_cached(req.microbatch_id) if claim_cached and req.microbatch_id else None
+    x = None
+    if cached is not None and not shape.is_first:  # token ids (stage 0) are cheap: always decoded
+        if not req.input.ByteSize():
+            raise invalid("input: missing")
+        in_shape = check_hidden(req.input, shape.run, "input", shape.run.model.d_model)
+        if in_shape != tuple(cached.inputs.shape):
+            cached = None
+    if cached is None or shape.is_first:
+        x = decode_stage_input(req.input, shape)
+        in_shape = tuple(x.shape)
     if not req.output_grad.ByteSize():
         raise invalid("output_grad: missing")
-    grad = decode_hidden(req.output_grad, shape.run, "output_grad", shape.output_width, like=tuple(x.shape))
-    return BackwardWork(x, grad, req.microbatch_id, req.step)
+    grad = decode_hidden(req.output_grad, shape.run, "output_grad", shape.output_width, like=in_shape)
+    if cached is not None and tuple(cached.output.shape) != tuple(grad.shape):
+        cached = None
+        x = x if x is not None else decode_stage_input(req.input, shape)
+    return BackwardWork(x, grad, req.microbatch_id, req.step, in_shape, cached)

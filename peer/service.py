@@ -19,17 +19,12 @@ from google.protobuf.message import DecodeError, Message
 from peer.requests import RequestError, StageShape, check_target, invalid, parse_backward, parse_forward
 from peer.worker import StageWorker
 from swarm import __version__
-from swarm.config import RunConfig
+from swarm.client import grpc_options
 from swarm.rpc import pb
 from swarm.wire import encode
 
 log = logging.getLogger("swarm.peer")
 SERVICE = "swarm.Stage"
-
-
-def grpc_options(run: RunConfig) -> list[tuple[str, int]]:
-    limit = run.wire.max_message_mb * 2**20
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
 class StageService:
@@ -108,7 +103,7 @@ class StageService:
         return response
 
     def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
-        work = parse_backward(request, self.shape)
+        work = parse_backward(request, self.shape, self.worker.claim_cached)
         grad = self._wait(self.worker.submit(work), context)
         response = pb.BackwardResponse()
         if grad is not None:

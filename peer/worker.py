@@ -22,10 +22,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 import torch.nn.functional as F
 
-from peer.requests import BackwardWork, ForwardWork
+from peer.requests import BackwardWork, CachedForward, ForwardWork, RequestError
 from swarm.config import RunConfig
 from swarm.device import autocast, device_name
 from swarm.model import Stage
@@ -48,8 +49,12 @@ class _Task:
     future: Future = field(compare=False)
 
     @property
+    def samples(self) -> int:
+        return self.work.input_shape[0]
+
+    @property
     def tokens(self) -> int:
-        return self.work.inputs.shape[0] * self.work.inputs.shape[1]
+        return self.work.input_shape[0] * self.work.input_shape[1]
 
 
 class WorkQueue:
@@ -96,7 +101,7 @@ class WorkQueue:
 def _batch_key(work: ForwardWork | BackwardWork) -> tuple:
     if isinstance(work, ForwardWork):
         return ("forward", tuple(work.inputs.shape[1:]), work.inputs.dtype, work.targets is not None, work.train)
-    return ("backward", tuple(work.inputs.shape[1:]), work.inputs.dtype)
+    return ("backward", work.input_shape[1:], work.output_grad.dtype, work.cached is None)
 
 
 class StageWorker:
@@ -107,7 +112,8 @@ class StageWorker:
         self.optimizer = make_optimizer(self.stage.parameters(), run.training)
         self.queue = WorkQueue()
         self.lock = threading.Lock()  # held while parameters or gradients change
-        self.cache: collections.OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
+        self.cache: collections.OrderedDict[str, CachedForward] = collections.OrderedDict()
+        self._cache_lock = threading.Lock()
         self._seq = itertools.count()
         self.samples_served = 0  # samples whose gradients were accumulated
         self.samples_pending = 0  # ... since the last optimizer step
@@ -124,6 +130,12 @@ class StageWorker:
         future: Future = Future()
         self.queue.put(kind, _Task(0 if kind == "backward" else 1, next(self._seq), work, future))
         return future
+
+    def claim_cached(self, microbatch_id: str) -> CachedForward | None:
+        """Take this microbatch's recorded forward, if it is still here and still current."""
+        with self._cache_lock:
+            entry = self.cache.pop(microbatch_id, None)
+        return entry if entry is not None and entry.version == self.optimizer_steps else None
 
     @property
     def throughput(self) -> float:
@@ -154,10 +166,13 @@ class StageWorker:
                 for task in batch:
                     task.future.set_exception(err)
                 continue
-            samples = sum(t.work.inputs.shape[0] for t in batch)
+            samples = sum(t.samples for t in batch)
             self._measure(kind, batch, (time.perf_counter() - start) / samples)
             for task, result in zip(batch, results, strict=True):
-                task.future.set_result(result)
+                if isinstance(result, Exception):
+                    task.future.set_exception(result)
+                else:
+                    task.future.set_result(result)
 
     def _measure(self, kind: str, batch: list[_Task], sec: float) -> None:
         # The last stage's training forward is forward + backward in one call.
@@ -176,6 +191,7 @@ class StageWorker:
         return t
 
     def _inputs(self, batch: list[_Task]) -> torch.Tensor:
+        """The batch's inputs, concatenated, on the device (float32 hidden states, or token ids)."""
         x = torch.cat([t.work.inputs for t in batch]) if len(batch) > 1 else batch[0].work.inputs
         x = self._to_device(x)
         return x if self.stage.is_first else x.float()
@@ -183,7 +199,7 @@ class StageWorker:
     def _split(self, t: torch.Tensor | None, batch: list[_Task]) -> list[torch.Tensor | None]:
         if t is None:
             return [None] * len(batch)
-        return list(t.detach().to("cpu").split([task.work.inputs.shape[0] for task in batch]))
+        return list(t.detach().to("cpu").split([task.samples for task in batch]))
 
     def _forward(self, batch: list[_Task]) -> list[ForwardResult]:
         first: ForwardWork = batch[0].work
@@ -196,9 +212,10 @@ class StageWorker:
                 x.requires_grad_(True)
             out = self.stage(x)
         if cache:
-            self.cache[first.microbatch_id] = (x, out)
-            while len(self.cache) > self.run.serve.cache_size:
-                self.cache.popitem(last=False)
+            with self._cache_lock:
+                self.cache[first.microbatch_id] = CachedForward(x, out, self.optimizer_steps)
+                while len(self.cache) > self.run.serve.cache_size:
+                    self.cache.popitem(last=False)
         return [ForwardResult(output=o) for o in self._split(out, batch)]
 
     def _forward_loss(self, batch: list[_Task]) -> list[ForwardResult]:
@@ -221,17 +238,20 @@ class StageWorker:
         grads = self._split(x.grad if train and not self.stage.is_first else None, batch)
         return [ForwardResult(loss=float(loss.detach()), input_grad=g) for loss, g in zip(losses, grads, strict=True)]
 
-    def _backward(self, batch: list[_Task]) -> list[torch.Tensor | None]:
-        results: list[torch.Tensor | None] = [None] * len(batch)
+    def _backward(self, batch: list[_Task]) -> list[torch.Tensor | None | Exception]:
+        results: list[torch.Tensor | None | Exception] = [None] * len(batch)
         recompute = []
         for i, task in enumerate(batch):
-            cached = self.cache.pop(task.work.microbatch_id, None)
-            if cached is not None and cached[1].shape == task.work.output_grad.shape:
-                x, out = cached
-                out.backward(self._to_device(task.work.output_grad).to(out.dtype))
-                results[i] = None if self.stage.is_first else x.grad.detach().to("cpu")
-            else:
+            cached = task.work.cached
+            if cached is None:
                 recompute.append(i)
+            elif cached.version != self.optimizer_steps:
+                # Only reachable when another trainer's samples completed a global batch between
+                # this microbatch's forward and its backward: the caller retries with a fresh forward.
+                results[i] = RequestError(grpc.StatusCode.ABORTED, "the stage took an optimizer step since the forward")
+            else:
+                cached.output.backward(self._to_device(task.work.output_grad).to(cached.output.dtype))
+                results[i] = None if self.stage.is_first else cached.inputs.grad.detach().to("cpu")
         if recompute:
             sub = [batch[i] for i in recompute]
             x = self._inputs(sub)
@@ -245,7 +265,7 @@ class StageWorker:
             grads = self._split(None if self.stage.is_first else x.grad, sub)
             for i, g in zip(recompute, grads, strict=True):
                 results[i] = g
-        self._served(sum(t.work.inputs.shape[0] for t in batch))
+        self._served(sum(t.samples for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)))
         return results
 
     def _served(self, samples: int) -> None:
@@ -264,7 +284,8 @@ class StageWorker:
             torch.nn.utils.clip_grad_norm_(self.stage.parameters(), t.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.cache.clear()  # graphs recorded before the step no longer match the weights
+        with self._cache_lock:
+            self.cache.clear()  # graphs recorded before the step no longer match the weights
         self.samples_pending -= t.global_batch
         self.optimizer_steps += 1
 

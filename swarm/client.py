@@ -13,13 +13,22 @@ from swarm.rpc import pb
 SERVICE = "/swarm.Stage/"
 
 
+def grpc_options(run: RunConfig) -> list[tuple[str, int]]:
+    """Channel and server options: message limits from the run config, and HTTP/2 frames and flow
+    control windows sized for multi-megabyte activations (gRPC's defaults suit small messages)."""
+    limit = run.wire.max_message_mb * 2**20
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.http2.max_frame_size", 2**24 - 1),
+        ("grpc.http2.lookahead_bytes", 2**24),
+    ]
+
+
 class StageClient:
     def __init__(self, address: str, run: RunConfig, timeout: float = 120.0):
         self.address, self.run, self.timeout = address, run, timeout
-        limit = run.wire.max_message_mb * 2**20
-        self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-        )
+        self.channel = grpc.insecure_channel(address, options=grpc_options(run))
         self.bytes_sent = 0
         self.bytes_received = 0
         self._lock = threading.Lock()

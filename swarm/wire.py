@@ -129,18 +129,26 @@ def _from_bytes(
 
 
 def _int8_encode(tensor: torch.Tensor) -> bytes:
-    flat = tensor.float().reshape(-1)
-    pad = (-flat.numel()) % INT8_BLOCK
-    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
-    scales = blocks.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-    codes = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[: flat.numel()]
-    return scales.numpy().tobytes() + codes.numpy().tobytes()
+    flat = tensor.reshape(-1).float()
+    numel, n_blocks = flat.numel(), math.ceil(flat.numel() / INT8_BLOCK)
+    if numel % INT8_BLOCK:
+        flat = torch.nn.functional.pad(flat, (0, n_blocks * INT8_BLOCK - numel))
+    blocks = flat.view(n_blocks, INT8_BLOCK)
+    absmax = blocks.abs().amax(dim=1).clamp_min_(1e-30)
+    # One buffer holds the float32 scales and then the codes, so the payload is copied out once.
+    out = torch.empty(4 * n_blocks + n_blocks * INT8_BLOCK, dtype=torch.uint8)
+    out[: 4 * n_blocks].view(torch.float32).copy_(absmax / 127.0)
+    codes = out[4 * n_blocks :].view(torch.int8).view(n_blocks, INT8_BLOCK)
+    codes.copy_(blocks.mul(127.0 / absmax[:, None]).round_().clamp_(-127, 127))
+    return out[: 4 * n_blocks + numel].numpy().tobytes()
 
 
 def _int8_decode(data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
     numel = math.prod(shape)
     n_blocks = math.ceil(numel / INT8_BLOCK)
-    scales = _from_bytes(data, torch.float32, (n_blocks,), count=n_blocks).clone()
-    codes = _from_bytes(data, torch.int8, (numel,), offset=4 * n_blocks, count=numel).float()
-    codes = torch.nn.functional.pad(codes, (0, n_blocks * INT8_BLOCK - numel)).view(n_blocks, INT8_BLOCK)
-    return (codes * scales[:, None]).reshape(-1)[:numel].reshape(shape)
+    scales = _from_bytes(data, torch.float32, (n_blocks,), count=n_blocks)
+    codes = _from_bytes(data, torch.int8, (numel,), offset=4 * n_blocks, count=numel)
+    if numel % INT8_BLOCK:
+        codes = torch.nn.functional.pad(codes.float(), (0, n_blocks * INT8_BLOCK - numel))
+    out = codes.view(n_blocks, INT8_BLOCK).float().mul_(scales[:, None])
+    return out.reshape(-1)[:numel].reshape(shape)

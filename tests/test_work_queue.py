@@ -13,7 +13,7 @@ def fwd(b: int, t: int = 16, train: bool = False) -> ForwardWork:
 
 
 def bwd(b: int, t: int = 16) -> BackwardWork:
-    return BackwardWork(torch.zeros(b, t, 8), torch.zeros(b, t, 8), "b", 0)
+    return BackwardWork(torch.zeros(b, t, 8), torch.zeros(b, t, 8), "b", 0, (b, t, 8))
 
 
 def put(q: WorkQueue, work, seq: int) -> _Task:
