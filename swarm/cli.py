@@ -58,6 +58,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
     return serve_stage(run, args.stage, args.host, args.port, device=args.device, threads=args.threads)
 
 
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.run import serve_coordinator
+
+    run = load_config(args.config)
+    return serve_coordinator(run, host=args.host, port=args.port, dht_port=args.dht_port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm", description="Train one transformer on a swarm of volunteer GPUs.")
     from swarm import __version__
@@ -91,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     peer.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     peer.set_defaults(func=cmd_peer)
+
+    coord = sub.add_parser("coordinator", help="bootstrap DHT node, REST API and dashboard of a run",
+                           description="Start the run's first DHT node and serve its REST API.")
+    coord.add_argument("--config", required=True, help="run configuration (TOML)")
+    coord.add_argument("--host", default="127.0.0.1", help="address for HTTP and the DHT (default 127.0.0.1)")
+    coord.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
+    coord.add_argument("--dht-port", type=port_number, default=0, help="DHT port (default: any free port)")
+    coord.set_defaults(func=cmd_coordinator)
     return parser
 
 
