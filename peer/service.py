@@ -94,8 +94,9 @@ class StageService:
 
     def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
         work = parse_forward(request, self.shape)
-        result = self._wait(self.worker.submit(work), context)
-        response = pb.ForwardResponse(loss=result.loss)
+        future = self.worker.submit(work, context.is_active)
+        result = self._wait(future, context)
+        response = pb.ForwardResponse(loss=result.loss, queue_s=getattr(future, "queue_s", 0.0))
         if result.output is not None:
             response.output.CopyFrom(encode(result.output, self.codec))
         if result.input_grad is not None:
@@ -104,8 +105,9 @@ class StageService:
 
     def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
         work = parse_backward(request, self.shape, self.worker.claim_cached)
-        grad = self._wait(self.worker.submit(work), context)
-        response = pb.BackwardResponse()
+        future = self.worker.submit(work, context.is_active)
+        grad = self._wait(future, context)
+        response = pb.BackwardResponse(queue_s=getattr(future, "queue_s", 0.0))
         if grad is not None:
             response.input_grad.CopyFrom(encode(grad, self.codec))
         return response

@@ -16,11 +16,14 @@ step every global batch of samples.
 from __future__ import annotations
 
 import collections
+import json
 import itertools
 import threading
 import time
 from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import torch
@@ -47,6 +50,8 @@ class _Task:
     seq: int
     work: ForwardWork | BackwardWork = field(compare=False)
     future: Future = field(compare=False)
+    active: Callable[[], bool] | None = field(default=None, compare=False)  # False once the caller gave up
+    enqueued: float = field(default_factory=time.perf_counter, compare=False)
 
     @property
     def samples(self) -> int:
@@ -105,8 +110,13 @@ def _batch_key(work: ForwardWork | BackwardWork) -> tuple:
 
 
 class StageWorker:
-    def __init__(self, run: RunConfig, stage: int, device: torch.device):
+    def __init__(self, run: RunConfig, stage: int, device: torch.device, delay_per_sample: float = 0.0,
+                 step_log: Path | None = None):
+        """`delay_per_sample` (seconds) slows the worker down, to stand in for a slower device in tests;
+        `step_log` gets one JSON line per optimizer step naming the microbatches it applied."""
         self.run, self.stage_index, self.device = run, stage, device
+        self.delay_per_sample, self.step_log = delay_per_sample, step_log
+        self.pending_ids: list[str] = []  # microbatches accumulated since the last step
         self.stage = Stage(run, stage).to(device)
         self.stage.train()
         self.optimizer = make_optimizer(self.stage.parameters(), run.training)
@@ -125,11 +135,24 @@ class StageWorker:
 
     # -- submitting work -------------------------------------------------------------------
 
-    def submit(self, work: ForwardWork | BackwardWork) -> Future:
+    def submit(self, work: ForwardWork | BackwardWork, active: Callable[[], bool] | None = None) -> Future:
+        """Queue work; `active` tells whether the caller still waits (cancelled work is skipped)."""
         kind = "backward" if isinstance(work, BackwardWork) else "forward"
         future: Future = Future()
-        self.queue.put(kind, _Task(0 if kind == "backward" else 1, next(self._seq), work, future))
+        self.queue.put(kind, _Task(0 if kind == "backward" else 1, next(self._seq), work, future, active))
         return future
+
+    def load_parameters(self, params: dict[str, torch.Tensor]) -> None:
+        """Take a stage's current weights (from a live peer of the stage)."""
+        with self.lock:
+            missing = set(dict(self.stage.named_parameters())) - set(params)
+            if missing:
+                raise ValueError(f"weights lack {sorted(missing)[:3]}")
+            with torch.no_grad():
+                for name, p in self.stage.named_parameters():
+                    if params[name].shape != p.shape:
+                        raise ValueError(f"{name}: shape {list(params[name].shape)}, expected {list(p.shape)}")
+                    p.copy_(params[name])
 
     def claim_cached(self, microbatch_id: str) -> CachedForward | None:
         """Take this microbatch's recorded forward, if it is still here and still current."""
@@ -157,11 +180,18 @@ class StageWorker:
             if got is None:
                 continue
             kind, batch = got
+            batch = self._drop_cancelled(batch)
+            if not batch:
+                continue
             start = time.perf_counter()
+            for task in batch:
+                task.future.queue_s = start - task.enqueued  # read by the service, reported for routing
             try:
                 with self.lock:
                     results = self._backward(batch) if kind == "backward" else self._forward(batch)
                     self._maybe_step()
+                if self.delay_per_sample:
+                    time.sleep(self.delay_per_sample * sum(t.samples for t in batch))
             except Exception as err:  # a real fault: report it to every caller in the batch
                 for task in batch:
                     task.future.set_exception(err)
@@ -173,6 +203,18 @@ class StageWorker:
                     task.future.set_exception(result)
                 else:
                     task.future.set_result(result)
+
+    @staticmethod
+    def _drop_cancelled(batch: list[_Task]) -> list[_Task]:
+        # A caller that timed out has retried elsewhere: doing its work now would count its
+        # gradient twice.
+        kept = []
+        for task in batch:
+            if task.active is not None and not task.active():
+                task.future.set_exception(RequestError(grpc.StatusCode.CANCELLED, "the caller gave up"))
+            else:
+                kept.append(task)
+        return kept
 
     def _measure(self, kind: str, batch: list[_Task], sec: float) -> None:
         # The last stage's training forward is forward + backward in one call.
@@ -234,7 +276,7 @@ class StageWorker:
             if train:
                 total = sum(loss * t.work.loss_scale for loss, t in zip(losses, batch, strict=True))
                 total.backward()
-                self._served(sum(sizes))
+                self._served(batch)
         grads = self._split(x.grad if train and not self.stage.is_first else None, batch)
         return [ForwardResult(loss=float(loss.detach()), input_grad=g) for loss, g in zip(losses, grads, strict=True)]
 
@@ -265,12 +307,14 @@ class StageWorker:
             grads = self._split(None if self.stage.is_first else x.grad, sub)
             for i, g in zip(recompute, grads, strict=True):
                 results[i] = g
-        self._served(sum(t.samples for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)))
+        self._served([t for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)])
         return results
 
-    def _served(self, samples: int) -> None:
+    def _served(self, tasks: list[_Task]) -> None:
+        samples = sum(t.samples for t in tasks)
         self.samples_served += samples
         self.samples_pending += samples
+        self.pending_ids.extend(t.work.microbatch_id for t in tasks)
 
     def _maybe_step(self) -> None:
         t = self.run.training
@@ -288,6 +332,11 @@ class StageWorker:
             self.cache.clear()  # graphs recorded before the step no longer match the weights
         self.samples_pending -= t.global_batch
         self.optimizer_steps += 1
+        if self.step_log:
+            with open(self.step_log, "a") as f:
+                f.write(json.dumps({"stage": self.stage_index, "step": self.optimizer_steps,
+                                    "microbatches": self.pending_ids}) + "\n")
+        self.pending_ids = []
 
     # -- state -----------------------------------------------------------------------------
 

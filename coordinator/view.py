@@ -1,0 +1,76 @@
+"""The coordinator's picture of the swarm: refreshed from the DHT in the background.
+
+HTTP requests are answered from the latest view only; they never wait on the DHT. A reader thread
+re-reads the run's records every `interval` seconds and swaps the new view in under a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import hivemind
+
+from swarm.records import SwarmView, read_swarm
+
+log = logging.getLogger("coordinator.view")
+
+
+def empty_view(num_stages: int) -> SwarmView:
+    """The view at start-up: the coordinator is the run's first DHT node, so nobody is known yet."""
+    return SwarmView(stages=[[] for _ in range(num_stages)], trainers=[], read_at=time.time())
+
+
+class ViewHolder:
+    """The latest SwarmView, shared between the reader thread and request handlers."""
+
+    def __init__(self, view: SwarmView):
+        self._lock = threading.Lock()
+        self._view = view
+        self.reads = 0  # successful reads since start
+        self.failures = 0  # reads that raised
+
+    def get(self) -> SwarmView:
+        with self._lock:
+            return self._view
+
+    def set(self, view: SwarmView) -> None:
+        with self._lock:
+            self._view = view
+            self.reads += 1
+
+    def failed(self) -> None:
+        with self._lock:
+            self.failures += 1
+
+
+class SwarmReader(threading.Thread):
+    """Reads the run's records from the DHT into a ViewHolder every `interval` seconds until stopped."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, num_stages: int, holder: ViewHolder, interval: float = 1.0):
+        # A daemon thread: a DHT call that never returns (its process already gone) cannot keep
+        # the interpreter alive at exit.
+        super().__init__(name="swarm-reader", daemon=True)
+        self.dht, self.run_id, self.num_stages = dht, run_id, num_stages
+        self.holder, self.interval = holder, interval
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            started = time.monotonic()
+            try:
+                view = read_swarm(self.dht, self.run_id, self.num_stages)
+            except Exception as err:  # noqa: BLE001 (keep serving the last good view)
+                if self._stop_event.is_set():
+                    return
+                self.holder.failed()
+                log.warning("reading the swarm from the DHT failed: %s", err)
+            else:
+                self.holder.set(view)
+            self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def stop(self, timeout: float = 3.0) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)

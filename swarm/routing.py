@@ -1,0 +1,180 @@
+"""Which peer of a pipeline stage gets the next microbatch: a pure policy over observed state.
+
+SWARM routes each microbatch through one peer per stage, choosing the peer that is expected to finish it first
+("interleaved weighted round robin"). The estimate is `max(now, busy_until) + samples / throughput`: because
+`pick` reserves the work it hands out, a peer three times faster absorbs three times as many of the microbatches
+kept in flight, without any explicit weights. Peers that fail are banned with exponential back-off and come back
+when the ban expires; one success forgives them.
+
+Nothing here touches the network, threads or the clock: every method that needs the time takes `now` (seconds),
+so the policy is deterministic and can be tested with a virtual clock.
+"""
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+# A call reported as taking no time at all (coarse clock, clock step) must not yield an infinite throughput.
+MIN_SECONDS = 1e-6
+
+# 2.0 ** 1024 overflows a float; any exponent this large is far past every sensible cap anyway.
+_MAX_EXPONENT = 1000
+
+
+def backoff(failures: int, base: float, cap: float) -> float:
+    """Ban length after `failures` consecutive failures: base, 2*base, 4*base ... never more than `cap`."""
+    if failures < 1:
+        return 0.0
+    return min(base * 2.0 ** min(failures - 1, _MAX_EXPONENT), cap)
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    """A snapshot of what the router believes about one peer, for progress lines and debugging."""
+
+    peer_id: str
+    throughput: float  # samples/s the router plans with (observed, else announced, else the optimistic stand-in)
+    outstanding: int  # samples handed out and not yet answered
+    failures: int  # consecutive failures since the last success
+    banned_until: float | None  # None when not banned at the time of the snapshot
+    measured: bool = False  # True once the trainer has observed the peer itself
+
+
+@dataclass
+class _Peer:
+    announced: float  # samples/s the peer announced in the DHT; 0.0 when it has not measured itself yet
+    busy_until: float  # when the work already reserved on it is expected to be done
+    observed: float | None = None  # moving average of the throughput the trainer measured
+    outstanding: int = 0
+    failures: int = 0
+    banned_until: float = -math.inf
+
+    def known_throughput(self) -> float | None:
+        """Our own measurement beats the peer's claim; None when there is neither."""
+        if self.observed is not None:
+            return self.observed
+        return self.announced if self.announced > 0 else None
+
+
+def _check_samples(samples: int) -> None:
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+
+
+class Router:
+    """Routing state of one pipeline stage, kept by the trainer."""
+
+    def __init__(self, ema_alpha: float = 0.3, ban_base_s: float = 1.0, ban_max_s: float = 60.0) -> None:
+        if not 0.0 < ema_alpha <= 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {ema_alpha}")
+        if not 0.0 < ban_base_s <= ban_max_s:
+            raise ValueError(f"need 0 < ban_base_s <= ban_max_s, got {ban_base_s} and {ban_max_s}")
+        self.ema_alpha = ema_alpha
+        self.ban_base_s = ban_base_s
+        self.ban_max_s = ban_max_s
+        self._peers: dict[str, _Peer] = {}
+
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self._peers)
+
+    def update_peers(self, announced: dict[str, float], now: float) -> None:
+        """Replace the set of live peers with what the DHT announces (peer_id -> announced samples/s)."""
+        # A peer that left the DHT is gone: if it rejoins it starts afresh, without old bans or stale speeds.
+        for peer_id in list(self._peers):
+            if peer_id not in announced:
+                del self._peers[peer_id]
+        for peer_id, throughput in announced.items():
+            # Negative or NaN announcements are garbage; treat them like "not measured yet".
+            claimed = throughput if math.isfinite(throughput) and throughput > 0 else 0.0
+            peer = self._peers.get(peer_id)
+            if peer is None:
+                self._peers[peer_id] = _Peer(announced=claimed, busy_until=now)
+            else:
+                # Keep what we observed ourselves; the announcement only matters until then.
+                peer.announced = claimed
+
+    def is_banned(self, peer: str, now: float) -> bool:
+        state = self._peers.get(peer)
+        return state is not None and now < state.banned_until
+
+    def pick(self, samples: int, now: float, exclude: Collection[str] = ()) -> str | None:
+        """Reserve `samples` on the usable peer expected to finish them first; None when no peer is usable."""
+        _check_samples(samples)
+        stand_in = self._stand_in_throughput()
+        best: tuple[float, str] | None = None
+        for peer_id, peer in self._peers.items():
+            if peer_id in exclude or now < peer.banned_until:
+                continue
+            finish = max(now, peer.busy_until) + samples / self._throughput(peer, stand_in)
+            # Comparing (finish, id) tuples breaks ties by peer id, so the choice never depends on dict order.
+            if best is None or (finish, peer_id) < best:
+                best = (finish, peer_id)
+        if best is None:
+            return None
+        finish, peer_id = best
+        chosen = self._peers[peer_id]
+        chosen.busy_until = finish
+        chosen.outstanding += samples
+        return peer_id
+
+    def done(self, peer: str, samples: int, seconds: float, now: float) -> None:
+        """A call to `peer` with `samples` samples succeeded after `seconds`."""
+        _check_samples(samples)
+        state = self._peers.get(peer)
+        if state is None:  # forgotten while the call was in flight; nothing to learn about a departed peer
+            return
+        if not seconds > 0:  # also catches NaN
+            seconds = MIN_SECONDS
+        measured = samples / seconds
+        if state.observed is None:
+            state.observed = measured  # the first measurement beats any announcement or guess
+        else:
+            state.observed = self.ema_alpha * measured + (1 - self.ema_alpha) * state.observed
+        state.failures = 0
+        state.banned_until = -math.inf
+        self._release(state, samples, now)
+
+    def failed(self, peer: str, samples: int, now: float) -> float:
+        """A call to `peer` failed or timed out: ban it with exponential back-off. Returns the ban length (s)."""
+        _check_samples(samples)
+        state = self._peers.get(peer)
+        if state is None:
+            return 0.0
+        state.failures += 1
+        ban = backoff(state.failures, self.ban_base_s, self.ban_max_s)
+        state.banned_until = now + ban
+        self._release(state, samples, now)
+        return ban
+
+    def stats(self, now: float) -> list[PeerStats]:
+        stand_in = self._stand_in_throughput()
+        return [
+            PeerStats(
+                peer_id=peer_id,
+                throughput=self._throughput(peer, stand_in),
+                outstanding=peer.outstanding,
+                failures=peer.failures,
+                banned_until=peer.banned_until if now < peer.banned_until else None,
+                measured=peer.observed is not None,
+            )
+            for peer_id, peer in sorted(self._peers.items())
+        ]
+
+    def _stand_in_throughput(self) -> float:
+        """Throughput assumed for a peer we know nothing about: the best of the stage, so it is tried early."""
+        known = [t for p in self._peers.values() if (t := p.known_throughput()) is not None]
+        return max(known, default=1.0)
+
+    @staticmethod
+    def _throughput(peer: _Peer, stand_in: float) -> float:
+        known = peer.known_throughput()
+        return stand_in if known is None else known
+
+    @staticmethod
+    def _release(peer: _Peer, samples: int, now: float) -> None:
+        """Return reserved work; clamped at 0 because a reply may belong to a peer that was re-added meanwhile."""
+        peer.outstanding = max(0, peer.outstanding - samples)
+        if peer.outstanding == 0:
+            # Nothing in flight: the peer is idle now, whatever our estimate said, so estimates don't drift.
+            peer.busy_until = now

@@ -1,0 +1,157 @@
+"""The coordinator as a real process: join info, the swarm state it reads from a real DHT, shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from swarm.config import load_config
+from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer, make_dht
+from tests.processes import ROOT, Proc
+
+TINY = ROOT / "configs" / "tiny.toml"
+LONG_TTL = 120.0  # records the tests must still see at the end of the module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_coordinator(log: Path) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc(["coordinator", "--config", str(TINY), "--port", str(port), "--dht-port", "0"], log)
+    try:
+        proc.wait_for_line(r"coordinator of run 'tiny' at http://\S+", timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def group_members(pgid: int) -> list[str]:
+    """Processes (live or zombie) whose process group is `pgid`, as 'PID STATE'."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid:
+            found.append(f"{entry} {fields[0]}")
+    return found
+
+
+def wait_for_state(base: str, ok: Callable[[dict], bool], timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = httpx.get(f"{base}/api/v1/state", timeout=5).json()
+        if ok(state):
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/api/v1/state did not reach the expected state within {timeout} s: {state}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, base = start_coordinator(tmp_path_factory.mktemp("coordinator") / "coordinator.log")
+    yield base
+    assert proc.stop() == 0, proc.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def join(coordinator: str) -> dict:
+    response = httpx.get(f"{coordinator}/api/v1/join", timeout=5)
+    assert response.status_code == 200
+    return response.json()
+
+
+@pytest.fixture(scope="module")
+def client_dht(join: dict):
+    dht = make_dht(join["initial_peers"], client_mode=True)
+    yield dht
+    dht.shutdown()
+
+
+def test_join_returns_the_config_and_initial_peers(join: dict):
+    assert join["run_id"] == "tiny"
+    assert join["config"] == load_config(TINY).model_dump()
+    assert join["initial_peers"] and all(p.startswith("/ip4/") and "/p2p/" in p for p in join["initial_peers"])
+    assert join["version"]
+
+
+def test_state_lists_announced_peers_and_trainers(coordinator: str, client_dht):
+    peer_id, trainer_id = f"peer-{uuid.uuid4().hex[:8]}", f"trainer-{uuid.uuid4().hex[:8]}"
+    peer = PeerRecord(peer_id=peer_id, stage=1, address="127.0.0.1:1", state="online", throughput=5.0)
+    assert announce_peer(client_dht, "tiny", peer, ttl=LONG_TTL)
+    assert announce_trainer(client_dht, "tiny", TrainerRecord(trainer_id=trainer_id, steps=3), ttl=LONG_TTL)
+
+    state = wait_for_state(
+        coordinator,
+        lambda s: any(p["peer_id"] == peer_id for p in s["stages"][1]["peers"])
+        and any(t["trainer_id"] == trainer_id for t in s["trainers"]),
+    )
+    assert state["run_id"] == "tiny" and state["num_stages"] == 2
+    stage0, stage1 = state["stages"]
+    assert (stage0["index"], stage0["layers"]) == (0, [0, 2])
+    assert (stage1["index"], stage1["layers"]) == (1, [2, 4])
+    assert stage1["online"] == 1 and stage1["throughput"] == 5.0 and not stage1["bottleneck"]
+    assert stage1["peers"][0]["state"] == "online" and stage1["peers"][0]["address"] == "127.0.0.1:1"
+    assert stage0["peers"] == [] and stage0["online"] == 0 and stage0["throughput"] == 0.0 and stage0["bottleneck"]
+    assert next(t for t in state["trainers"] if t["trainer_id"] == trainer_id)["steps"] == 3
+    assert 0 <= state["age_s"] < 5 and state["read_at"] > time.time() - 10
+
+
+def test_expired_records_vanish_from_state(coordinator: str, client_dht):
+    peer_id = f"brief-{uuid.uuid4().hex[:8]}"
+    record = PeerRecord(peer_id=peer_id, stage=0, address="127.0.0.1:2", state="joining")
+    assert announce_peer(client_dht, "tiny", record, ttl=2.0)
+
+    def listed(state: dict) -> bool:
+        return any(p["peer_id"] == peer_id for p in state["stages"][0]["peers"])
+
+    seen = wait_for_state(coordinator, listed)
+    assert seen["stages"][0]["online"] == 0  # a joining peer is listed but not counted
+    wait_for_state(coordinator, lambda s: not listed(s), timeout=8.0)
+
+
+def test_openapi_docs_health_and_unknown_paths(coordinator: str):
+    spec = httpx.get(f"{coordinator}/openapi.json", timeout=5).json()
+    assert {"/api/v1/join", "/api/v1/state", "/healthz"} <= set(spec["paths"])
+    assert "StateResponse" in spec["components"]["schemas"] and "PeerRecord" in spec["components"]["schemas"]
+    assert httpx.get(f"{coordinator}/docs", timeout=5).status_code == 200
+    assert httpx.get(f"{coordinator}/healthz", timeout=5).json() == {"ok": True}
+    assert httpx.get(f"{coordinator}/api/v1/nothing-here", timeout=5).status_code == 404
+
+
+def test_sigterm_stops_the_coordinator_and_all_its_children(tmp_path: Path):
+    proc, base = start_coordinator(tmp_path / "coordinator.log")
+    pid = proc.popen.pid
+    try:
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+        assert len(group_members(pid)) >= 3  # the coordinator, its DHT process and p2pd
+        os.kill(pid, signal.SIGTERM)  # the coordinator alone: it must stop its children itself
+        code = proc.popen.wait(timeout=10)
+    finally:
+        proc.stop()
+    assert code == 0, proc.output()[-3000:]
+    deadline = time.monotonic() + 3
+    while group_members(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_members(pid) == [], proc.output()[-3000:]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+    assert "stopped" in proc.output()
