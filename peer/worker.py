@@ -16,12 +16,12 @@ step every global batch of samples.
 from __future__ import annotations
 
 import collections
-import json
 import itertools
+import json
 import threading
 import time
-from concurrent.futures import Future
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,8 +110,14 @@ def _batch_key(work: ForwardWork | BackwardWork) -> tuple:
 
 
 class StageWorker:
-    def __init__(self, run: RunConfig, stage: int, device: torch.device, delay_per_sample: float = 0.0,
-                 step_log: Path | None = None):
+    def __init__(
+        self,
+        run: RunConfig,
+        stage: int,
+        device: torch.device,
+        delay_per_sample: float = 0.0,
+        step_log: Path | None = None,
+    ):
         """`delay_per_sample` (seconds) slows the worker down, to stand in for a slower device in tests;
         `step_log` gets one JSON line per optimizer step naming the microbatches it applied."""
         self.run, self.stage_index, self.device = run, stage, device
@@ -334,8 +340,12 @@ class StageWorker:
         self.optimizer_steps += 1
         if self.step_log:
             with open(self.step_log, "a") as f:
-                f.write(json.dumps({"stage": self.stage_index, "step": self.optimizer_steps,
-                                    "microbatches": self.pending_ids}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"stage": self.stage_index, "step": self.optimizer_steps, "microbatches": self.pending_ids}
+                    )
+                    + "\n"
+                )
         self.pending_ids = []
 
     # -- state -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from swarm.config import ConfigError, load_config
 
@@ -31,6 +32,20 @@ def port_number(text: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.coordinator:
+        if args.local or args.peers or args.config:
+            raise ConfigError(
+                "swarm train: --coordinator takes the run config from the coordinator; "
+                "drop --local, --peers and --config"
+            )
+        from swarm.train_swarm import train_swarm
+
+        train_swarm(
+            args.coordinator, args.steps, inflight=args.inflight, log_json=args.log_json, call_timeout=args.call_timeout
+        )
+        return 0
+    if not args.config:
+        raise ConfigError("swarm train: --config is required (or --coordinator URL)")
     run = load_config(args.config)
     steps = args.steps or run.training.steps
     if args.local:
@@ -51,7 +66,34 @@ def cmd_train(args: argparse.Namespace) -> int:
     raise ConfigError("swarm train: choose where to train: --local (one process) or --peers ADDR0,ADDR1,...")
 
 
+def stage_choice(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return non_negative_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a stage index") from None
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
+    if args.coordinator:
+        if args.config:
+            raise ConfigError("swarm peer: give --coordinator (join a run) or --config (serve by hand), not both")
+        from peer.daemon import run_peer
+
+        return run_peer(
+            args.coordinator,
+            args.stage,
+            args.host,
+            args.port,
+            device=args.device,
+            public_name=args.public_name,
+            threads=args.threads,
+            delay_per_sample=args.delay_per_sample,
+            step_log=args.log_steps,
+        )
+    if not args.config or args.stage is None:
+        raise ConfigError("swarm peer: give --coordinator URL, or --config C with --stage K")
     from peer.run import serve_stage
 
     run = load_config(args.config)
@@ -78,29 +120,44 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the model. --local runs the whole model in this process.",
     )
     train.add_argument("--local", action="store_true", help="train the whole model in this process")
-    train.add_argument("--config", required=True, help="run configuration (TOML), e.g. configs/tiny.toml")
+    train.add_argument("--config", help="run configuration (TOML), e.g. configs/tiny.toml")
     train.add_argument("--steps", type=positive_int, help="optimizer steps to run (default: training.steps)")
     train.add_argument("--log-json", metavar="PATH", help="write one JSON object per optimizer step to PATH")
     train.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     train.add_argument("--peers", metavar="ADDR0,ADDR1,...", help="one stage worker per stage, in stage order")
     train.add_argument("--inflight", type=positive_int, default=4, help="microbatches in flight at once (default 4)")
+    train.add_argument("--coordinator", metavar="URL", help="train through the swarm of this run's coordinator")
+    train.add_argument("--call-timeout", type=float, default=60.0, help="seconds before a call is retried elsewhere")
     train.set_defaults(func=cmd_train)
 
     peer = sub.add_parser(
         "peer",
-        help="serve one pipeline stage (a stage worker)",
-        description="Serve one stage of a run over gRPC until SIGTERM or Ctrl-C.",
+        help="join a run as a peer (or serve one stage by hand)",
+        description="Join a run through its coordinator and serve a stage until SIGTERM or Ctrl-C; "
+        "or, with --config and --stage, serve one stage by hand.",
     )
-    peer.add_argument("--config", required=True, help="run configuration (TOML)")
-    peer.add_argument("--stage", type=non_negative_int, required=True, help="stage index to serve")
+    peer.add_argument("--coordinator", metavar="URL", help="the run's coordinator, e.g. http://host:8000")
+    peer.add_argument("--config", help="run configuration (TOML), to serve a stage by hand")
+    peer.add_argument(
+        "--stage",
+        type=stage_choice,
+        default=None,
+        help="stage index, or 'auto' (default with --coordinator): the least served stage",
+    )
+    peer.add_argument("--public-name", default="", help="name shown on the dashboard")
+    peer.add_argument("--delay-per-sample", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow device
+    peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)  # tests: applied microbatches
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
     peer.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     peer.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     peer.set_defaults(func=cmd_peer)
 
-    coord = sub.add_parser("coordinator", help="bootstrap DHT node, REST API and dashboard of a run",
-                           description="Start the run's first DHT node and serve its REST API.")
+    coord = sub.add_parser(
+        "coordinator",
+        help="bootstrap DHT node, REST API and dashboard of a run",
+        description="Start the run's first DHT node and serve its REST API.",
+    )
     coord.add_argument("--config", required=True, help="run configuration (TOML)")
     coord.add_argument("--host", default="127.0.0.1", help="address for HTTP and the DHT (default 127.0.0.1)")
     coord.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")

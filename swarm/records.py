@@ -66,12 +66,14 @@ def trainers_key(run_id: str) -> str:
     return f"{run_id}/trainers"
 
 
-def make_dht(initial_peers: list[str] | None = None, host: str = "127.0.0.1", port: int = 0,
-             client_mode: bool = False) -> hivemind.DHT:
+def make_dht(
+    initial_peers: list[str] | None = None, host: str = "127.0.0.1", port: int = 0, client_mode: bool = False
+) -> hivemind.DHT:
     """A DHT node listening on HOST:PORT (hivemind's default is loopback only)."""
     maddrs = [f"/ip4/{host}/tcp/{port}"]
-    return hivemind.DHT(initial_peers=initial_peers or None, host_maddrs=maddrs, client_mode=client_mode,
-                        start=True, await_ready=True)
+    return hivemind.DHT(
+        initial_peers=initial_peers or None, host_maddrs=maddrs, client_mode=client_mode, start=True, await_ready=True
+    )
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -81,15 +83,19 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
 def announce_peer(dht: hivemind.DHT, run_id: str, record: PeerRecord, ttl: float = TTL_S) -> bool:
     now = get_dht_time()
     record = record.model_copy(update={"updated": now})
-    return bool(dht.store(stage_key(run_id, record.stage), record.model_dump(), expiration_time=now + ttl,
-                          subkey=record.peer_id))
+    return bool(
+        dht.store(
+            stage_key(run_id, record.stage), record.model_dump(), expiration_time=now + ttl, subkey=record.peer_id
+        )
+    )
 
 
 def announce_trainer(dht: hivemind.DHT, run_id: str, record: TrainerRecord, ttl: float = TTL_S) -> bool:
     now = get_dht_time()
     record = record.model_copy(update={"updated": now})
-    return bool(dht.store(trainers_key(run_id), record.model_dump(), expiration_time=now + ttl,
-                          subkey=record.trainer_id))
+    return bool(
+        dht.store(trainers_key(run_id), record.model_dump(), expiration_time=now + ttl, subkey=record.trainer_id)
+    )
 
 
 def _read(dht: hivemind.DHT, key: str, model: type[BaseModel]) -> list:
@@ -128,5 +134,8 @@ class SwarmView(BaseModel):
 
 
 def read_swarm(dht: hivemind.DHT, run_id: str, num_stages: int) -> SwarmView:
-    return SwarmView(stages=[read_stage(dht, run_id, k) for k in range(num_stages)],
-                     trainers=read_trainers(dht, run_id), read_at=time.time())
+    return SwarmView(
+        stages=[read_stage(dht, run_id, k) for k in range(num_stages)],
+        trainers=read_trainers(dht, run_id),
+        read_at=time.time(),
+    )

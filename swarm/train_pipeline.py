@@ -11,7 +11,9 @@ samples; the trainer finishes a global batch before it starts the next.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 
@@ -22,14 +24,19 @@ from swarm.progress import RunLog, eval_due
 from swarm.rpc import pb
 from swarm.wire import encode
 
+T = TypeVar("T")
+
 
 class Pipeline:
-    """One client per stage, checked against the run config."""
+    """A static pipeline: one worker per stage, given by address and checked against the run config."""
+
+    failures = 0  # calls that failed and were retried elsewhere (a static pipeline has no elsewhere)
+    note: Callable[[str], None] = staticmethod(lambda text: None)  # a status line next to the progress bar
 
     def __init__(self, run: RunConfig, addresses: list[str], timeout: float = 120.0):
         if len(addresses) != run.stages.count:
             raise ConfigError(f"--peers: {len(addresses)} addresses for a run of {run.stages.count} stages")
-        self.run = run
+        self.run, self.num_stages = run, run.stages.count
         self.clients = [StageClient(a, run, timeout) for a in addresses]
         self.trace = uuid.uuid4().hex[:12]
         for k, client in enumerate(self.clients):
@@ -47,21 +54,40 @@ class Pipeline:
             if problems:
                 raise ConfigError(f"--peers: {client.address}: " + "; ".join(problems))
 
+    num_stages: int
+
+    def call(
+        self, stage: int, samples: int, fn: Callable[[StageClient], T], prefer: str | None = None
+    ) -> tuple[T, str]:
+        """Run `fn` against a worker of `stage`; returns its answer and which worker gave it."""
+        return fn(self.clients[stage]), str(stage)
+
     def microbatch(self, batch: Batch, step: int, name: str, train: bool = True) -> float:
         """Forward (and, when training, backward) one microbatch through every stage; its loss."""
         mb_id = f"{self.trace}-{name}"
-        last = len(self.clients) - 1
+        last = self.num_stages - 1
+        samples = batch.inputs.shape[0]
         inputs: list[pb.Tensor] = [encode(batch.inputs)]
+        served_by: list[str] = []
         for k in range(last):
-            inputs.append(self.clients[k].forward(k, inputs[k], mb_id, step, train=train).output)
-        scale = batch.inputs.shape[0] / self.run.training.global_batch
-        out = self.clients[last].forward(
-            last, inputs[last], mb_id, step, targets=encode(batch.targets), train=train, loss_scale=scale
+            out, peer = self.call(k, samples, lambda c, k=k: c.forward(k, inputs[k], mb_id, step, train=train))
+            inputs.append(out.output)
+            served_by.append(peer)
+        scale = samples / self.run.training.global_batch
+        targets = encode(batch.targets)
+        out, _ = self.call(
+            last,
+            samples,
+            lambda c: c.forward(last, inputs[last], mb_id, step, targets=targets, train=train, loss_scale=scale),
         )
         if train:
             grad = out.input_grad
             for k in range(last - 1, -1, -1):
-                grad = self.clients[k].backward(k, inputs[k], grad, mb_id, step).input_grad
+                # The worker that ran the forward may still hold its graph: try it first.
+                back, _ = self.call(
+                    k, samples, lambda c, k=k, g=grad: c.backward(k, inputs[k], g, mb_id, step), prefer=served_by[k]
+                )
+                grad = back.input_grad
         return out.loss
 
     def bytes_on_wire(self) -> int:
@@ -73,13 +99,30 @@ class Pipeline:
 
 
 def train_pipeline(run: RunConfig, addresses: list[str], steps: int, inflight: int = 4, log_json=None) -> list[dict]:
-    t = run.training
     pipe = Pipeline(run, addresses)
+    return run_training(
+        run, pipe, steps, inflight, log_json, f"train ({run.stages.count} stages, {inflight} in flight)"
+    )
+
+
+def run_training(
+    run: RunConfig,
+    pipe: Pipeline,
+    steps: int,
+    inflight: int,
+    log_json,
+    desc: str,
+    on_step: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """The training loop over any pipeline: one global batch per step, `inflight` microbatches at once."""
+    t = run.training
     data = TokenStream.from_config(run.data, run.model.seq_len, t.seed)
     val = data.val_batches(t.eval_batches, t.micro_batch)
-    log = RunLog(steps, log_json, desc=f"train ({run.stages.count} stages, {inflight} in flight)")
+    log = RunLog(steps, log_json, desc=desc)
+    pipe.note = log.note
     pool = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="microbatch")
     tokens_per_step = t.global_batch * run.model.seq_len
+    done = 0
     try:
         for step in range(steps):
             jobs = [
@@ -87,15 +130,33 @@ def train_pipeline(run: RunConfig, addresses: list[str], steps: int, inflight: i
                 for i in range(t.accumulation)
             ]
             loss = sum(j.result() for j in jobs) / len(jobs)
+            done += len(jobs)
             val_loss = None
             if eval_due(step, steps, t.eval_every):
                 jobs = [pool.submit(pipe.microbatch, b, step, f"val{step}.{i}", False) for i, b in enumerate(val)]
                 val_loss = sum(j.result() for j in jobs) / len(jobs)
-            log.step(step, loss, tokens_per_step, val_loss, wire_bytes=pipe.bytes_on_wire())
+            record = log.step(
+                step,
+                loss,
+                tokens_per_step,
+                val_loss,
+                wire_bytes=pipe.bytes_on_wire(),
+                microbatches=done,
+                failures=pipe.failures,
+            )
+            if on_step:
+                on_step(record)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         wire = pipe.bytes_on_wire()
         pipe.close()
     tokens = max(log.tokens, 1)
-    log.close(codec=run.wire.codec, **{"wire bytes": f"{wire:,} ({wire / tokens:,.0f} per token)"})
+    log.close(
+        codec=run.wire.codec,
+        **{
+            "wire bytes": f"{wire:,} ({wire / tokens:,.0f} per token)",
+            "microbatches": f"{done:,}",
+            "failed calls retried": pipe.failures,
+        },
+    )
     return log.records

@@ -101,8 +101,10 @@ def test_state_lists_announced_peers_and_trainers(coordinator: str, client_dht):
 
     state = wait_for_state(
         coordinator,
-        lambda s: any(p["peer_id"] == peer_id for p in s["stages"][1]["peers"])
-        and any(t["trainer_id"] == trainer_id for t in s["trainers"]),
+        lambda s: (
+            any(p["peer_id"] == peer_id for p in s["stages"][1]["peers"])
+            and any(t["trainer_id"] == trainer_id for t in s["trainers"])
+        ),
     )
     assert state["run_id"] == "tiny" and state["num_stages"] == 2
     stage0, stage1 = state["stages"]
