@@ -18,7 +18,7 @@ import uvicorn
 from coordinator.app import JoinInfo, create_app
 from coordinator.view import SwarmReader, ViewHolder, empty_view
 from swarm.config import RunConfig
-from swarm.records import make_dht, visible_maddrs
+from swarm.records import make_dht, shutdown_dht, visible_maddrs
 
 log = logging.getLogger("coordinator")
 
@@ -109,7 +109,7 @@ def serve_coordinator(run: RunConfig, host: str, port: int, dht_port: int) -> in
                 server_thread.join(1.0)
         if reader is not None:
             reader.stop(timeout=2.0)
-        dht.shutdown()
+        shutdown_dht(dht)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         print(f"coordinator of run {run.run_id!r}: stopped", flush=True)

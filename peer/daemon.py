@@ -32,7 +32,7 @@ from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.join import fetch_join
 from swarm.placement import pick_stage
-from swarm.records import REFRESH_S, PeerRecord, announce_peer, make_dht, read_stage, read_swarm
+from swarm.records import REFRESH_S, PeerRecord, announce_peer, make_dht, read_stage, read_swarm, shutdown_dht
 from swarm.wire import decode
 
 log = logging.getLogger("swarm.peer")
@@ -132,7 +132,7 @@ def run_peer(
                     "optimizer_steps": worker.optimizer_steps,
                 }
             )
-            announce_peer(dht, run.run_id, record)
+            announce_peer(dht, run.run_id, record, timeout=REFRESH_S)
             if time.monotonic() - last_status > 30:
                 last_status = time.monotonic()
                 print(
@@ -142,13 +142,13 @@ def run_peer(
                     flush=True,
                 )
         print(f"peer {record.public_name}: leaving", flush=True)
-        announce_peer(dht, run.run_id, record.model_copy(update={"state": "leaving"}), ttl=REFRESH_S)
+        announce_peer(dht, run.run_id, record.model_copy(update={"state": "leaving"}), ttl=REFRESH_S, timeout=2)
         return 0
     finally:
         if server is not None:
             server.stop(grace=3).wait(5)
         if worker is not None:
             worker.close()
-        dht.shutdown()
+        shutdown_dht(dht)
         if worker is not None:
             print(f"peer stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps", flush=True)

@@ -80,22 +80,35 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(m) for m in dht.get_visible_maddrs()]
 
 
-def announce_peer(dht: hivemind.DHT, run_id: str, record: PeerRecord, ttl: float = TTL_S) -> bool:
+def _store(dht: hivemind.DHT, key: str, subkey: str, value: dict, ttl: float, timeout: float | None) -> bool:
+    """Store a record; with `timeout`, give up (False) when the DHT does not confirm in time."""
     now = get_dht_time()
-    record = record.model_copy(update={"updated": now})
-    return bool(
-        dht.store(
-            stage_key(run_id, record.stage), record.model_dump(), expiration_time=now + ttl, subkey=record.peer_id
-        )
-    )
+    future = dht.store(key, dict(value, updated=now), expiration_time=now + ttl, subkey=subkey, return_future=True)
+    try:
+        return bool(future.result(timeout=timeout))
+    except Exception:  # a timeout, or the DHT process is gone (e.g. Ctrl-C reached the whole group)
+        return False
 
 
-def announce_trainer(dht: hivemind.DHT, run_id: str, record: TrainerRecord, ttl: float = TTL_S) -> bool:
-    now = get_dht_time()
-    record = record.model_copy(update={"updated": now})
-    return bool(
-        dht.store(trainers_key(run_id), record.model_dump(), expiration_time=now + ttl, subkey=record.trainer_id)
-    )
+def announce_peer(
+    dht: hivemind.DHT, run_id: str, record: PeerRecord, ttl: float = TTL_S, timeout: float | None = None
+) -> bool:
+    return _store(dht, stage_key(run_id, record.stage), record.peer_id, record.model_dump(), ttl, timeout)
+
+
+def announce_trainer(
+    dht: hivemind.DHT, run_id: str, record: TrainerRecord, ttl: float = TTL_S, timeout: float | None = None
+) -> bool:
+    return _store(dht, trainers_key(run_id), record.trainer_id, record.model_dump(), ttl, timeout)
+
+
+def shutdown_dht(dht: hivemind.DHT) -> None:
+    """Stop the DHT process and its p2pd. A signal sent to the whole process group (Ctrl-C in a
+    terminal) may have ended them already; then there is nothing to ask, only to reap."""
+    if dht.is_alive():
+        dht.shutdown()
+    else:
+        dht.join(timeout=3)
 
 
 def _read(dht: hivemind.DHT, key: str, model: type[BaseModel]) -> list:

@@ -20,7 +20,7 @@ import grpc
 from swarm.client import StageClient
 from swarm.config import RunConfig
 from swarm.join import fetch_join
-from swarm.records import REFRESH_S, TrainerRecord, announce_trainer, make_dht, read_swarm
+from swarm.records import REFRESH_S, TrainerRecord, announce_trainer, make_dht, read_swarm, shutdown_dht
 from swarm.routing import Router
 from swarm.train_pipeline import Pipeline, run_training
 
@@ -146,7 +146,7 @@ class SwarmPipeline(Pipeline):
         self._refresher.join(timeout=5)
         for c in list(self.clients.values()):
             c.close()
-        self.dht.shutdown()
+        shutdown_dht(self.dht)
 
 
 def train_swarm(

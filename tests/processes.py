@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,3 +68,59 @@ def start_peer(config: Path | str, stage: int, tmp: Path, *extra: str) -> tuple[
     )
     m = proc.wait_for_line(r"serving on (\S+:\d+)")
     return proc, m.group(1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_coordinator(config: Path, log: Path) -> tuple[Proc, str]:
+    """A coordinator on a free port; returns it and its base URL once it serves."""
+    port = free_port()
+    proc = Proc(["coordinator", "--config", str(config), "--port", str(port), "--dht-port", "0"], log)
+    try:
+        proc.wait_for_line(r"coordinator of run '\S+' at http://\S+", timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def group_members(pgid: int) -> list[str]:
+    """Processes (live or zombie) whose process group is `pgid`, as 'PID STATE'."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid:
+            found.append(f"{entry} {fields[0]}")
+    return found
+
+
+def wait_for_state(base: str, ok: Callable[[dict], bool], timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = httpx.get(f"{base}/api/v1/state", timeout=5).json()
+        if ok(state):
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/api/v1/state did not reach the expected state within {timeout} s: {state}")
+        time.sleep(0.2)
+
+
+def survivors(pgid: int, timeout: float = 5.0) -> list[str]:
+    """Processes of the group still running (zombies are dead, only not yet reaped), after waiting
+    up to `timeout` for them to go."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [m for m in group_members(pgid) if not m.endswith(" Z")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,59 +14,15 @@ import pytest
 
 from swarm.config import load_config
 from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer, make_dht
-from tests.processes import ROOT, Proc
+from tests.processes import ROOT, group_members, start_coordinator, wait_for_state
 
 TINY = ROOT / "configs" / "tiny.toml"
 LONG_TTL = 120.0  # records the tests must still see at the end of the module
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_coordinator(log: Path) -> tuple[Proc, str]:
-    port = free_port()
-    proc = Proc(["coordinator", "--config", str(TINY), "--port", str(port), "--dht-port", "0"], log)
-    try:
-        proc.wait_for_line(r"coordinator of run 'tiny' at http://\S+", timeout=60)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def group_members(pgid: int) -> list[str]:
-    """Processes (live or zombie) whose process group is `pgid`, as 'PID STATE'."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
-        if int(fields[2]) == pgid:
-            found.append(f"{entry} {fields[0]}")
-    return found
-
-
-def wait_for_state(base: str, ok: Callable[[dict], bool], timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = httpx.get(f"{base}/api/v1/state", timeout=5).json()
-        if ok(state):
-            return state
-        if time.monotonic() > deadline:
-            raise AssertionError(f"/api/v1/state did not reach the expected state within {timeout} s: {state}")
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, base = start_coordinator(tmp_path_factory.mktemp("coordinator") / "coordinator.log")
+    proc, base = start_coordinator(TINY, tmp_path_factory.mktemp("coordinator") / "coordinator.log")
     yield base
     assert proc.stop() == 0, proc.output()[-3000:]
 
@@ -140,7 +95,7 @@ def test_openapi_docs_health_and_unknown_paths(coordinator: str):
 
 
 def test_sigterm_stops_the_coordinator_and_all_its_children(tmp_path: Path):
-    proc, base = start_coordinator(tmp_path / "coordinator.log")
+    proc, base = start_coordinator(TINY, tmp_path / "coordinator.log")
     pid = proc.popen.pid
     try:
         assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200

@@ -1,0 +1,208 @@
+"""The swarm with real processes on loopback: a coordinator, peers found through the DHT, a trainer.
+
+Each test runs its own coordinator and peers of configs/tiny.toml (2 stages) and a trainer process
+(`swarm train --coordinator`), then disturbs the swarm while it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.processes import ROOT, Proc, start_coordinator, survivors, wait_for_state
+
+TINY = ROOT / "configs" / "tiny.toml"
+ACCUMULATION = 2  # tiny.toml: global_batch 16 / micro_batch 8
+
+
+class Swarm:
+    def __init__(self, tmp: Path, config: Path = TINY):
+        self.tmp = tmp
+        self.coordinator, self.url = start_coordinator(config, tmp / "coordinator.log")
+        self.peers: dict[str, Proc] = {}
+        self.trainer: Proc | None = None
+
+    def add_peer(self, name: str, stage: int | str = "auto", *extra: str) -> Proc:
+        proc = Proc(
+            [
+                "peer",
+                "--coordinator",
+                self.url,
+                "--stage",
+                str(stage),
+                "--public-name",
+                name,
+                "--threads",
+                "1",
+                "--log-steps",
+                str(self.tmp / f"{name}.steps"),
+                *extra,
+            ],
+            self.tmp / f"{name}.log",
+        )
+        self.peers[name] = proc
+        return proc
+
+    def wait_online(self, names: list[str], timeout: float = 90) -> dict:
+        return wait_for_state(self.url, lambda s: set(names) <= online_names(s), timeout)
+
+    def train(self, steps: int, inflight: int = 4, timeout: float = 20) -> Proc:
+        self.trainer = Proc(
+            [
+                "train",
+                "--coordinator",
+                self.url,
+                "--steps",
+                str(steps),
+                "--inflight",
+                str(inflight),
+                "--call-timeout",
+                str(timeout),
+                "--log-json",
+                str(self.tmp / "train.jsonl"),
+            ],
+            self.tmp / "trainer.log",
+        )
+        return self.trainer
+
+    def records(self) -> list[dict]:
+        path = self.tmp / "train.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def wait_steps(self, count: int, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.records()) < count:
+            assert self.trainer.popen.poll() is None or len(self.records()) >= count, self.trainer.output()[-3000:]
+            assert time.monotonic() < deadline, f"trainer reached {len(self.records())} of {count} steps"
+            time.sleep(0.2)
+
+    def finish_training(self, timeout: float = 300) -> list[dict]:
+        assert self.trainer.popen.wait(timeout) == 0, self.trainer.output()[-3000:]
+        return self.records()
+
+    def applied(self) -> list[dict]:
+        """Every optimizer step every peer took, with the microbatches it applied."""
+        steps = []
+        for name in self.peers:
+            path = self.tmp / f"{name}.steps"
+            if path.exists():
+                steps += [dict(json.loads(line), peer=name) for line in path.read_text().splitlines()]
+        return steps
+
+    def close(self) -> None:
+        for proc in [self.trainer, *self.peers.values(), self.coordinator]:
+            if proc is not None:
+                proc.stop()
+
+
+def online_names(state: dict) -> set[str]:
+    return {p["public_name"] for s in state["stages"] for p in s["peers"] if p["state"] == "online"}
+
+
+def peer_record(state: dict, name: str) -> dict | None:
+    return next((p for s in state["stages"] for p in s["peers"] if p["public_name"] == name), None)
+
+
+def state(url: str) -> dict:
+    return httpx.get(f"{url}/api/v1/state", timeout=5).json()
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    s = Swarm(tmp_path)
+    yield s
+    s.close()
+
+
+def assert_no_gradient_applied_twice(swarm: Swarm) -> None:
+    for stage in (0, 1):
+        ids = [mb for step in swarm.applied() if step["stage"] == stage for mb in step["microbatches"]]
+        assert len(ids) == len(set(ids)), f"stage {stage}: a microbatch was applied twice"
+
+
+def test_traffic_splits_in_proportion_to_peer_speed(tmp_path):
+    # Eight microbatches per global batch, all in flight, so that stage 1 is kept busy: with
+    # room to spare, the router rightly sends everything to the peer that finishes first.
+    config = tmp_path / "busy.toml"
+    config.write_text(
+        TINY.read_text().replace("global_batch = 16", "global_batch = 32").replace("micro_batch = 8", "micro_batch = 4")
+    )
+    swarm = Swarm(tmp_path, config)
+    try:
+        check_traffic_split(swarm)
+    finally:
+        swarm.close()
+
+
+def check_traffic_split(swarm: Swarm) -> None:
+    swarm.add_peer("s0", 0)
+    swarm.add_peer("fast", 1, "--delay-per-sample", "0.01")
+    swarm.add_peer("slow", 1, "--delay-per-sample", "0.04")
+    swarm.wait_online(["s0", "fast", "slow"])
+    swarm.train(steps=25, inflight=8)
+    swarm.finish_training()
+    s = wait_for_state(swarm.url, lambda s: peer_record(s, "slow")["samples_served"] > 0)
+    fast, slow = peer_record(s, "fast"), peer_record(s, "slow")
+    share = fast["samples_served"] / (fast["samples_served"] + slow["samples_served"])
+    speed = fast["throughput"] / (fast["throughput"] + slow["throughput"])
+    assert fast["throughput"] > 1.5 * slow["throughput"], (fast, slow)
+    assert abs(share - speed) <= 0.15 * speed, f"fast peer's share {share:.2f}, its share of speed {speed:.2f}"
+
+
+def test_killed_peer_loses_no_microbatch_and_vanishes_from_the_dht(swarm):
+    for name, stage in [("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1)]:
+        swarm.add_peer(name, stage)
+    swarm.wait_online(["a0", "b0", "a1", "b1"])
+    steps = 30
+    swarm.train(steps=steps, inflight=4, timeout=10)
+    swarm.wait_steps(5)
+    victim = swarm.peers["b1"]
+    victim.stop(signal.SIGKILL)  # the whole process group: worker, DHT node, p2pd
+    killed_at = time.monotonic()
+    assert not survivors(victim.popen.pid)
+    wait_for_state(swarm.url, lambda s: peer_record(s, "b1") is None, timeout=30)
+    assert time.monotonic() - killed_at <= 30
+    records = swarm.finish_training()
+    assert [r["step"] for r in records] == list(range(steps))
+    assert records[-1]["microbatches"] == steps * ACCUMULATION  # every microbatch issued completed once
+    assert_no_gradient_applied_twice(swarm)
+    assert "Traceback" not in swarm.trainer.output()
+
+
+def test_peer_joining_mid_run_gets_traffic_within_10_s(swarm):
+    swarm.add_peer("first0", 0)
+    swarm.add_peer("first1", 1)
+    swarm.wait_online(["first0", "first1"])
+    swarm.train(steps=200, inflight=4)
+    swarm.wait_steps(3)
+    swarm.add_peer("late", 1)
+    swarm.wait_online(["late"], timeout=90)
+    online_at = time.monotonic()
+    wait_for_state(swarm.url, lambda s: (peer_record(s, "late") or {}).get("samples_served", 0) > 0, timeout=15)
+    # the record refreshes every few seconds: the traffic itself started earlier than it shows
+    assert time.monotonic() - online_at <= 15
+    log = (swarm.tmp / "late.log").read_text()
+    assert "weights from first1" in log  # a late joiner takes the stage's current weights
+
+
+def test_sigterm_leaves_cleanly_and_the_trainer_loses_nothing(swarm):
+    for name, stage in [("a0", 0), ("a1", 1), ("b1", 1)]:
+        swarm.add_peer(name, stage)
+    swarm.wait_online(["a0", "a1", "b1"])
+    steps = 24
+    swarm.train(steps=steps, inflight=4)
+    swarm.wait_steps(4)
+    leaver = swarm.peers["b1"]
+    start = time.monotonic()
+    code = leaver.stop(signal.SIGTERM)
+    assert code == 0 and time.monotonic() - start <= 10
+    assert not survivors(leaver.popen.pid), "the peer left a process behind"
+    assert "leaving" in leaver.output()
+    records = swarm.finish_training()
+    assert records[-1]["microbatches"] == steps * ACCUMULATION
+    assert_no_gradient_applied_twice(swarm)
