@@ -7,6 +7,7 @@ import importlib
 import sys
 
 BENCHMARKS = {
+    "failover": "benchmarks.failover",
     "local": "benchmarks.local",
     "pipeline": "benchmarks.pipeline",
     "wire": "benchmarks.wire",

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> str:
             tps = steady_tokens_per_s(records, args.warmup)
             per_token = records[-1]["wire_bytes"] / records[-1]["tokens"]
             rows.append((codec, tps, per_token))
-    fp32 = next((b for c, b in rows if c == "none"), None)
+    fp32 = next((b for c, _, b in rows if c == "none"), None)
     out = []
     for codec, tps, per_token in rows:
         out.append(

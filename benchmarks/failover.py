@@ -1,0 +1,422 @@
+"""`python -m benchmarks failover`: how fast the trainer's tokens/s recovers after a peer is SIGKILLed.
+
+A coordinator of the config (configs/tiny.toml: 2 stages), 2 peers per stage (`swarm peer
+--coordinator URL --stage K --threads 1 --log-steps PATH`) and one trainer (`swarm train
+--coordinator URL --steps N --inflight 4 --call-timeout T --log-json P`). Once every peer is
+online, the trainer runs `--warmup-s` seconds; then the whole process group of one peer of
+`--stage` (worker, DHT node, p2pd) gets SIGKILL, and the trainer finishes its fixed number of steps
+on the 3 peers left.
+
+Definitions (all times on the trainer's `elapsed_s` clock; the kill is placed on that clock by
+polling its `--log-json` file: trainer start = min over lines of (time seen here - elapsed_s)):
+
+- windowed tokens/s at step i = (tokens_i - tokens_{i-W}) / (elapsed_i - elapsed_{i-W}), W = `--window`
+  steps (per-step timings on a small CPU machine are noisy);
+- tokens/s before = median of the windows that start after `--warmup-s`/3 and end before the kill;
+- tokens/s after (what the remaining capacity allows) = median of the windows that start at least
+  `--settle-s` after the kill: the same swarm with 3 peers, measured in the same run;
+- recovery s = (end of window c) - (kill), for the first window c ending after the kill such that
+  it and the next `--hold` - 1 windows are all >= `--threshold` x tokens/s after;
+- microbatches lost = steps x accumulation - the trainer's final `microbatches` count;
+- applied twice = microbatch ids that appear more than once in the `--log-steps` files of one stage;
+- gradients never applied = training microbatch ids missing from every step log of a stage, apart
+  from those of the last steps still sitting in a live peer's accumulator when the run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.results import append_row
+from swarm.config import load_config
+from tests.processes import Proc, start_coordinator, survivors
+
+SECTION = "failover: 2 peers per stage, one killed (SIGKILL of its process group)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/tiny.toml", help="a 2-stage run config")
+    p.add_argument("--steps", type=int, default=300, help="trainer steps (fixed, so its final counts are complete)")
+    p.add_argument("--stage", type=int, default=1, help="stage of the peer to kill (default: the last, 1)")
+    p.add_argument("--call-timeout", type=float, default=5.0, help="seconds before a call is retried elsewhere")
+    p.add_argument("--inflight", type=int, default=4)
+    p.add_argument("--warmup-s", type=float, default=15.0, help="trainer seconds before the kill")
+    p.add_argument("--settle-s", type=float, default=20.0, help="steady-after windows start this long after the kill")
+    p.add_argument("--window", type=int, default=5, help="steps per tokens/s window")
+    p.add_argument("--hold", type=int, default=5, help="consecutive windows that must stay above the threshold")
+    p.add_argument("--threshold", type=float, default=0.9, help="fraction of the steady tokens/s after the kill")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="give up when the trainer runs longer than this")
+    p.add_argument("--log-dir", default=None, help="where the logs go (default: a new /tmp/swarm-failover-* dir)")
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def online_names(base: str) -> set[str]:
+    state = httpx.get(f"{base}/api/v1/state", timeout=5).json()
+    return {p["public_name"] for s in state["stages"] for p in s["peers"] if p["state"] == "online"}
+
+
+def listed_names(base: str) -> set[str]:
+    state = httpx.get(f"{base}/api/v1/state", timeout=5).json()
+    return {p["public_name"] for s in state["stages"] for p in s["peers"]}
+
+
+def stop_all(procs: list[Proc], timeout: float = 15.0) -> None:
+    """SIGTERM every group at once, SIGKILL what is still there after `timeout`, close the logs."""
+    live = [p for p in procs if p.popen.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.popen.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        # Children of the group (p2pd) may outlive their parent: nothing of a group is left behind.
+        if survivors(p.popen.pid, timeout=2 if p in live else 0):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.popen.pid, signal.SIGKILL)
+        p.stop()
+
+
+class JsonTail:
+    """New complete lines of a file that another process appends to, with the time each was first seen."""
+
+    def __init__(self, path: Path):
+        self.path, self.pos, self.buf = path, 0, ""
+        self.records: list[dict] = []
+        self.seen: list[float] = []  # time.monotonic() when each record was first read
+
+    def poll(self) -> int:
+        try:
+            with open(self.path) as f:
+                f.seek(self.pos)
+                data = f.read()
+                self.pos = f.tell()
+        except FileNotFoundError:
+            return 0
+        now = time.monotonic()
+        *lines, self.buf = (self.buf + data).split("\n")
+        for line in lines:
+            if line.strip():
+                self.records.append(json.loads(line))
+                self.seen.append(now)
+        return len(lines)
+
+    def start(self) -> float | None:
+        """The trainer's elapsed_s = 0 on this process's monotonic clock (an upper bound, tight to a poll)."""
+        if not self.records:
+            return None
+        return min(t - r["elapsed_s"] for t, r in zip(self.seen, self.records, strict=True))
+
+
+# -- analysis ------------------------------------------------------------------------------------
+
+
+def windows(records: list[dict], w: int) -> list[tuple[float, float, int, float]]:
+    """(start elapsed, end elapsed, step, tokens/s) of every window of `w` consecutive steps."""
+    out = []
+    for i in range(w, len(records)):
+        a, b = records[i - w], records[i]
+        dt = b["elapsed_s"] - a["elapsed_s"]
+        if dt > 0:
+            out.append((a["elapsed_s"], b["elapsed_s"], b["step"], (b["tokens"] - a["tokens"]) / dt))
+    return out
+
+
+def recovery(wins: list, kill: float, target: float, hold: int) -> tuple[float | None, int | None]:
+    """Seconds from the kill to the end of the first window (ending after the kill) that, with the next
+    `hold` - 1 windows, stays >= target; and that window's step. (None, None) if it never does."""
+    after = [x for x in wins if x[1] > kill]
+    for c in range(len(after) - hold + 1):
+        if all(x[3] >= target for x in after[c : c + hold]):
+            return after[c][1] - kill, after[c][2]
+    return None, None
+
+
+def read_step_logs(paths: dict[str, Path]) -> list[dict]:
+    steps = []
+    for name, path in paths.items():
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by the SIGKILL
+                steps.append(dict(json.loads(line), peer=name))
+    return steps
+
+
+def mb_step(mb_id: str) -> int:
+    """The trainer step of a microbatch id `{trace}-{step}.{i}`."""
+    return int(mb_id.rsplit("-", 1)[1].split(".")[0])
+
+
+def progress_notes(trainer_log: str) -> collections.Counter:
+    """The trainer's status notes (tqdm descriptions), e.g. 'waiting for a peer of stage 1', with counts of
+    progress-line redraws that showed them."""
+    notes = collections.Counter()
+    for chunk in re.split(r"[\r\n]", trainer_log):
+        m = re.match(r"(waiting for a peer of stage \d+)", chunk.strip())
+        if m:
+            notes[m.group(1)] += 1
+    return notes
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> str:
+    cfg = load_config(args.config)
+    if cfg.stages.count != 2:
+        raise SystemExit(f"{args.config}: the failover benchmark expects a 2-stage config, not {cfg.stages.count}")
+    if not 0 <= args.stage < cfg.stages.count:
+        raise SystemExit(f"--stage {args.stage}: not a stage of {args.config}")
+    acc = cfg.training.accumulation
+    tmp = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="swarm-failover-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    # Validation passes would put a slow step into the windows every eval_every steps: turned off.
+    config = tmp / "run.toml"
+    config.write_text(re.sub(r"(?m)^eval_every = \d+$", "eval_every = 0", Path(args.config).read_text()))
+    load_avg = os.getloadavg()[0]
+    print(f"failover: logs in {tmp}; load average {load_avg:.2f} at start", flush=True)
+
+    procs: list[Proc] = []
+    peers: dict[str, Proc] = {}
+    try:
+        coordinator, url = start_coordinator(config, tmp / "coordinator.log")
+        procs.append(coordinator)
+        print(f"coordinator at {url}", flush=True)
+        for k in range(cfg.stages.count):
+            for name in (f"a{k}", f"b{k}"):
+                peers[name] = Proc(
+                    [
+                        "peer",
+                        "--coordinator",
+                        url,
+                        "--stage",
+                        str(k),
+                        "--public-name",
+                        name,
+                        "--threads",
+                        "1",
+                        "--log-steps",
+                        str(tmp / f"{name}.steps"),
+                    ],
+                    tmp / f"{name}.log",
+                )
+                procs.append(peers[name])
+        deadline = time.monotonic() + 120
+        while not set(peers) <= online_names(url):
+            dead = [n for n, p in peers.items() if p.popen.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                tails = "\n".join(f"--- {n}\n{peers[n].output()[-1500:]}" for n in dead or peers)
+                why = "exited: " + ", ".join(dead) if dead else "timeout"
+                raise RuntimeError(f"peers not online ({why}):\n{tails}")
+            time.sleep(0.5)
+        print(f"peers online: {', '.join(peers)}", flush=True)
+
+        victim_name = f"b{args.stage}"
+        victim = peers[victim_name]
+        log_json = tmp / "train.jsonl"
+        trainer = Proc(
+            [
+                "train",
+                "--coordinator",
+                url,
+                "--steps",
+                str(args.steps),
+                "--inflight",
+                str(args.inflight),
+                "--call-timeout",
+                str(args.call_timeout),
+                "--log-json",
+                str(log_json),
+            ],
+            tmp / "trainer.log",
+        )
+        procs.append(trainer)
+        tail = JsonTail(log_json)
+        started = time.monotonic()
+
+        def check_trainer() -> None:
+            if time.monotonic() - started > args.timeout_s:
+                raise RuntimeError(f"the trainer ran past {args.timeout_s:.0f} s:\n{trainer.output()[-3000:]}")
+
+        # Warm-up: until the trainer has run warmup_s seconds by its own clock.
+        last_print = 0.0
+        while True:
+            tail.poll()
+            t0 = tail.start()
+            now = time.monotonic()
+            if t0 is not None and now - t0 >= args.warmup_s:
+                break
+            if trainer.popen.poll() is not None:
+                raise RuntimeError(f"the trainer exited during the warm-up:\n{trainer.output()[-3000:]}")
+            check_trainer()
+            if tail.records and now - last_print >= 5:
+                last_print = now
+                r = tail.records[-1]
+                rate = r["tokens_per_s"]
+                print(f"  warm-up: step {r['step']}, {r['elapsed_s']:.1f} s, {rate:,.0f} tokens/s", flush=True)
+            time.sleep(0.05)
+
+        killed_at = time.monotonic()
+        os.killpg(victim.popen.pid, signal.SIGKILL)
+        steps_at_kill = len(tail.records)
+        print(f"SIGKILL to peer {victim_name}'s process group at trainer step {steps_at_kill}", flush=True)
+        left = survivors(victim.popen.pid, timeout=5)
+        gone_s = None
+
+        # After the kill: until the trainer finishes its steps.
+        last_print = 0.0
+        last_state = 0.0
+        while trainer.popen.poll() is None:
+            tail.poll()
+            now = time.monotonic()
+            if gone_s is None and now - last_state >= 0.5:
+                last_state = now
+                try:
+                    if victim_name not in listed_names(url):
+                        gone_s = now - killed_at
+                        print(f"  {victim_name} gone from the coordinator's view after {gone_s:.1f} s", flush=True)
+                except httpx.HTTPError:
+                    pass
+            if now - last_print >= 5 and tail.records:
+                last_print = now
+                r = tail.records[-1]
+                wins = windows(tail.records[-(args.window + 1) :], args.window)
+                rate = f"{wins[-1][3]:,.0f}" if wins else "-"
+                print(
+                    f"  +{now - killed_at:.0f} s: step {r['step']}, window tokens/s {rate}, "
+                    f"calls retried {r.get('failures', 0)}",
+                    flush=True,
+                )
+            check_trainer()
+            time.sleep(0.05)
+        tail.poll()
+        rc = trainer.popen.returncode
+        trainer_out = trainer.output()
+        if rc != 0:
+            raise RuntimeError(f"the trainer exited with {rc}:\n{trainer_out[-3000:]}")
+        records = tail.records
+        kill = killed_at - tail.start()  # the kill on the trainer's elapsed_s clock
+        step_logs = read_step_logs({n: tmp / f"{n}.steps" for n in peers})
+    finally:
+        stop_all(procs)
+
+    # -- numbers ---------------------------------------------------------------------------------
+    w = args.window
+    wins = windows(records, w)
+    before_w = [x[3] for x in wins if x[0] >= args.warmup_s / 3 and x[1] <= kill]
+    after_w = [x[3] for x in wins if x[0] >= kill + args.settle_s]
+    before = statistics.median(before_w) if before_w else float("nan")
+    after = statistics.median(after_w) if after_w else float("nan")
+    rec_s, rec_step = recovery(wins, kill, args.threshold * after, args.hold) if after_w else (None, None)
+    pairs = zip(records[:-1], records[1:], strict=True)
+    durations = [(b["elapsed_s"] - a["elapsed_s"], b["step"], b["elapsed_s"]) for a, b in pairs]
+    step_before = statistics.median([d for d, _, end in durations if end <= kill]) if durations else float("nan")
+    after_kill = [x for x in durations if x[2] > kill]
+    longest = max(after_kill, default=(float("nan"), None, None))
+    first_after = min((end for _, _, end in after_kill), default=float("nan")) - kill
+
+    final = records[-1]
+    lost = args.steps * acc - final["microbatches"]
+    retried = final.get("failures", 0)
+    trace = None
+    applied: dict[int, collections.Counter] = {k: collections.Counter() for k in range(cfg.stages.count)}
+    for s in step_logs:
+        for mb in s["microbatches"]:
+            applied[s["stage"]][mb] += 1
+            trace = trace or mb.rsplit("-", 1)[0]
+    twice = {k: sorted(mb for mb, n in c.items() if n > 1) for k, c in applied.items()}
+    issued = {f"{trace}-{s}.{i}" for s in range(args.steps) for i in range(acc)} if trace else set()
+    tail_from = args.steps - 3  # a live peer keeps < global_batch samples in its accumulator at the end
+    never = {k: sorted(issued - set(c), key=mb_step) for k, c in applied.items()}
+    never_mid = {k: [mb for mb in v if mb_step(mb) < tail_from] for k, v in never.items()}
+    never_end = {k: [mb for mb in v if mb_step(mb) >= tail_from] for k, v in never.items()}
+    victim_steps = [s for s in step_logs if s["peer"] == victim_name]
+    notes = progress_notes(trainer_out)
+
+    print("\nsummary", flush=True)
+    rows = {
+        "config": f"{args.config} (eval off), {args.steps} steps x {acc} microbatches, {args.inflight} in flight",
+        "killed": f"{victim_name} (stage {args.stage}) at trainer {kill:.1f} s, after step {steps_at_kill - 1}",
+        "processes left in its group": ", ".join(left) or "none",
+        "gone from coordinator view": f"{gone_s:.1f} s after the kill" if gone_s is not None else "not seen",
+        "call timeout": f"{args.call_timeout:g} s",
+        f"tokens/s before (median of {len(before_w)} windows of {w} steps)": f"{before:,.0f}",
+        f"tokens/s after, 3 peers (median of {len(after_w)} windows)": f"{after:,.0f} ({after / before:.2f} x before)",
+        f"recovery to >= {args.threshold:.0%} of after": (
+            f"{rec_s:.2f} s (window ending at step {rec_step})" if rec_s is not None else "never"
+        ),
+        "first step completed after the kill": f"{first_after:.2f} s after it",
+        "longest step after the kill": f"{longest[0]:.2f} s (step {longest[1]}); median before {step_before:.3f} s",
+        "microbatches lost (trainer)": f"{lost} ({final['microbatches']} of {args.steps * acc} completed)",
+        "calls retried": retried,
+        "applied twice": "; ".join(f"stage {k}: {len(v)}" for k, v in twice.items()),
+        "gradients never applied (mid-run)": "; ".join(
+            f"stage {k}: {len(v)} {v[:4] if v else ''}".strip() for k, v in never_mid.items()
+        ),
+        "left in accumulators at the end": "; ".join(f"stage {k}: {len(v)}" for k, v in never_end.items()),
+        f"{victim_name}'s optimizer steps before the kill": len(victim_steps),
+        "trainer status notes": ", ".join(f"{n} (x{c})" for n, c in notes.items()) or "none",
+        "logs": str(tmp),
+    }
+    width = max(map(len, rows))
+    print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items()), flush=True)
+
+    goal = []
+    goal.append("recovery met" if rec_s is not None and rec_s <= 5 else "recovery not met")
+    goal.append("lost met" if lost == 0 else "lost not met")
+    n_twice = sum(map(len, twice.values()))
+    n_never = sum(map(len, never_mid.values()))
+    return append_row(
+        SECTION,
+        [
+            "config",
+            "killed",
+            "steps",
+            "call timeout s",
+            "tokens/s before",
+            "tokens/s after (steady, 3 peers)",
+            f"recovery s (to >= {args.threshold:.0%} of steady after)",
+            "longest step after kill s",
+            "microbatches lost",
+            "calls retried",
+            "applied twice",
+            "notes",
+        ],
+        [
+            args.config,
+            f"stage {args.stage} peer at {kill:.1f} s",
+            args.steps,
+            f"{args.call_timeout:g}",
+            f"{before:,.0f}",
+            f"{after:,.0f}",
+            f"{rec_s:.2f}" if rec_s is not None else "never",
+            f"{longest[0]:.2f}",
+            lost,
+            retried,
+            n_twice,
+            f"goal recovery <= 5 s, lost 0: {', '.join(goal)}; windows of {w} steps (per-step timing is noisy "
+            f"here); before = median of windows in [{args.warmup_s / 3:.0f} s, kill], after = median of windows "
+            f"starting >= {args.settle_s:.0f} s after the kill; recovery = end of the first window after the kill "
+            f"from which {args.hold} windows in a row are >= {args.threshold:.0%} of after; median step before "
+            f"{step_before:.3f} s; {n_never} gradient(s) never applied mid-run; peer gone from the coordinator's "
+            f"view after {f'{gone_s:.0f} s' if gone_s is not None else '-'}; eval off; 1 torch thread per peer; "
+            f"load avg {load_avg:.1f} at start",
+        ],
+    )
