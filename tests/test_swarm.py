@@ -206,3 +206,14 @@ def test_sigterm_leaves_cleanly_and_the_trainer_loses_nothing(swarm):
     records = swarm.finish_training()
     assert records[-1]["microbatches"] == steps * ACCUMULATION
     assert_no_gradient_applied_twice(swarm)
+
+
+def test_trainer_waits_for_a_missing_stage_and_says_so(swarm):
+    swarm.add_peer("only0", 0)
+    swarm.wait_online(["only0"])
+    swarm.train(steps=5)
+    swarm.trainer.wait_for_line(r"waiting for a peer of stage 1", timeout=60)
+    assert swarm.trainer.popen.poll() is None  # waiting, not crashed
+    swarm.add_peer("late1", 1)
+    records = swarm.finish_training()
+    assert records[-1]["microbatches"] == 5 * ACCUMULATION
