@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks.results import append_row
 from swarm.config import RunConfig, load_config
 from swarm.train_local import train_local
@@ -30,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from tokens/s")
     p.add_argument("--codecs", default="none,fp16,bf16,int8")
     p.add_argument("--inflight", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per stage worker")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per stage worker (0: torch's default)")
     p.add_argument("--device", default=None, help="device for the reference trainer and the workers")
 
 
@@ -149,7 +151,7 @@ def run(args: argparse.Namespace) -> str:
                     f"{tps / ref:.2f}",
                     f"{per_token:,.0f}",
                     f"{per_token / fp32:.3f}" if fp32 else "-",
-                    f"workers {args.threads} thread(s) each, {args.inflight} in flight; goal efficiency >= 0.9, "
+                    f"workers {args.threads or torch.get_num_threads()} thread(s) each, {args.inflight} in flight; goal efficiency >= 0.9, "
                     "int8 <= 0.26 x fp32",
                 ],
             )
