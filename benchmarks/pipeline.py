@@ -57,9 +57,9 @@ def start_workers(config_path: Path, stages: int, threads: int, device: str | No
             str(k),
             "--port",
             "0",
-            "--threads",
-            str(threads),
         ]
+        if threads:
+            cmd += ["--threads", str(threads)]
         if device:
             cmd += ["--device", device]
         log = open(log_dir / f"stage{k}.log", "w+")  # noqa: SIM115 (the child owns it)
@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> str:
                     f"{tps / ref:.2f}",
                     f"{per_token:,.0f}",
                     f"{per_token / fp32:.3f}" if fp32 else "-",
-                    f"workers {args.threads or torch.get_num_threads()} thread(s) each, {args.inflight} in flight; goal efficiency >= 0.9, "
+                    f"workers {args.threads or torch.get_num_threads()} thread(s) each, {args.inflight} in flight; "
+                    "goal efficiency >= 0.9, "
                     "int8 <= 0.26 x fp32",
                 ],
             )
