@@ -32,6 +32,7 @@ from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.join import fetch_join
 from swarm.placement import pick_stage
+from swarm.rebalance import should_move
 from swarm.records import REFRESH_S, PeerRecord, announce_peer, make_dht, read_stage, read_swarm, shutdown_dht
 from swarm.wire import decode
 
@@ -60,6 +61,105 @@ def announce_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+class PeerDaemon:
+    """One peer's life in the swarm: serve a stage, refresh its record, maybe move, leave."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        dht,
+        device: torch.device,
+        host: str,
+        port: int,
+        public_name: str,
+        delay_per_sample: float = 0.0,
+        step_log: Path | None = None,
+    ):
+        self.run, self.dht, self.device, self.host, self.port = run, dht, device, host, port
+        self.delay_per_sample, self.step_log = delay_per_sample, step_log
+        peer_id = dht.peer_id.to_base58()
+        self.record = PeerRecord(
+            peer_id=peer_id,
+            stage=0,
+            address="",
+            public_name=public_name or peer_id[-8:],
+            device=str(device),
+            state="joining",
+            started=time.time(),
+        )
+        self.server = self.worker = None
+        self.measured = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.record.public_name
+
+    def announce(self, timeout: float | None = REFRESH_S, **update) -> None:
+        self.record = self.record.model_copy(update=update)
+        announce_peer(self.dht, self.run.run_id, self.record, timeout=timeout)
+
+    def serve(self, stage: int) -> None:
+        """Join `stage`: announce joining, measure, take the stage's current weights, serve, go online."""
+        self.announce(stage=stage, state="joining", address="")
+        print(f"peer {self.name}: joining stage {stage} of run {self.run.run_id!r}", flush=True)
+        self.measured = cached_throughput(self.run, stage, self.device)
+        self.worker = StageWorker(
+            self.run, stage, self.device, delay_per_sample=self.delay_per_sample, step_log=self.step_log
+        )
+        weights, source = download_weights(
+            self.run, stage, read_stage(self.dht, self.run.run_id, stage), self.record.peer_id
+        )
+        if weights is not None:
+            self.worker.load_parameters(weights)
+        # The port stays the same across moves, so the address the trainers know stays right.
+        self.server, _, self.port = start_server(self.worker, self.host, self.port)
+        self.announce(
+            address=announce_address(self.host, self.port),
+            device=self.worker.device_name,
+            throughput=self.measured,
+            state="online",
+            samples_served=0,
+            optimizer_steps=0,
+        )
+        print(
+            f"peer {self.name}: online, stage {stage}, serving on {self.record.address} ({self.worker.device_name}, "
+            f"{self.measured:.1f} samples/s measured, weights from {source or 'the seeded init'})",
+            flush=True,
+        )
+
+    def refresh(self) -> None:
+        live = self.worker.throughput
+        self.announce(
+            throughput=live if live > 0 else self.measured,
+            queue=len(self.worker.queue),
+            samples_served=self.worker.samples_served,
+            optimizer_steps=self.worker.optimizer_steps,
+        )
+
+    def leave_stage(self, timeout: float = 2) -> None:
+        """Announce leaving, let in-flight requests finish (new ones are refused), stop the worker."""
+        # Same time to live as any refresh: the DHT keeps, per subkey, the value that expires last,
+        # so a shorter-lived "leaving" would be ignored in favour of the last "online".
+        self.announce(timeout=timeout, state="leaving")
+        if self.server is not None:
+            self.server.stop(grace=3).wait(5)
+        if self.worker is not None:
+            self.worker.close()
+        self.server = None
+
+    def rebalance(self) -> None:
+        """Move to the stage the swarm needs most, when that is clearly better (swarm/rebalance.py)."""
+        target = should_move(
+            read_swarm(self.dht, self.run.run_id, self.run.stages.count), self.record, self.run.rebalance.margin
+        )
+        if target is None:
+            return
+        source = self.record.stage
+        print(f"peer {self.name}: moving from stage {source} to stage {target}", flush=True)
+        self.leave_stage()
+        self.serve(target)
+
+
 def run_peer(
     coordinator: str,
     stage: int | None,
@@ -71,6 +171,7 @@ def run_peer(
     join_wait_s: float = 2.0,
     delay_per_sample: float = 0.0,
     step_log: Path | None = None,
+    rebalance: bool = True,
 ) -> int:
     run, initial_peers = fetch_join(coordinator)
     if stage is not None and not 0 <= stage < run.stages.count:
@@ -79,76 +180,42 @@ def run_peer(
         torch.set_num_threads(threads)
     dev = resolve_device(device)
     dht = make_dht(initial_peers, host=host if host not in ("", "::") else "0.0.0.0")
-    peer_id = dht.peer_id.to_base58()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = worker = None
+    peer = PeerDaemon(run, dht, dev, host, port, public_name, delay_per_sample, step_log)
     try:
         if stage is None:
             time.sleep(random.uniform(0, join_wait_s))  # peers that start together spread out
             view = read_swarm(dht, run.run_id, run.stages.count)
             stage = pick_stage(view.stage_throughputs(), [len(view.stages[k]) for k in range(run.stages.count)])
-        record = PeerRecord(
-            peer_id=peer_id,
-            stage=stage,
-            address="",
-            public_name=public_name or peer_id[-8:],
-            device=str(dev),
-            state="joining",
-            started=time.time(),
-        )
-        announce_peer(dht, run.run_id, record)
-        print(f"peer {record.public_name}: joining stage {stage} of run {run.run_id!r}", flush=True)
-        throughput = cached_throughput(run, stage, dev)
-        worker = StageWorker(run, stage, dev, delay_per_sample=delay_per_sample, step_log=step_log)
-        weights, source = download_weights(run, stage, read_stage(dht, run.run_id, stage), peer_id)
-        if weights is not None:
-            worker.load_parameters(weights)
-        server, service, bound = start_server(worker, host, port)
-        record = record.model_copy(
-            update={
-                "address": announce_address(host, bound),
-                "device": worker.device_name,
-                "throughput": throughput,
-                "state": "online",
-            }
-        )
-        announce_peer(dht, run.run_id, record)
-        print(
-            f"peer {record.public_name}: online, stage {stage}, serving on {record.address} "
-            f"({worker.device_name}, {throughput:.1f} samples/s measured, weights from "
-            f"{source or 'the seeded init'})",
-            flush=True,
-        )
-        last_status = time.monotonic()
+        peer.serve(stage)
+        period = run.rebalance.period_s
+
+        def next_check() -> float:
+            # Randomised, so that peers seeing the same swarm do not all move at once.
+            return time.monotonic() + random.uniform(0.5, 1.5) * period
+
+        check_at, last_status = next_check(), time.monotonic()
         while not stop.wait(REFRESH_S):
-            live = worker.throughput
-            record = record.model_copy(
-                update={
-                    "throughput": live if live > 0 else throughput,
-                    "queue": len(worker.queue),
-                    "samples_served": worker.samples_served,
-                    "optimizer_steps": worker.optimizer_steps,
-                }
-            )
-            announce_peer(dht, run.run_id, record, timeout=REFRESH_S)
+            peer.refresh()
+            if rebalance and time.monotonic() >= check_at:
+                peer.rebalance()
+                check_at = next_check()
             if time.monotonic() - last_status > 30:
                 last_status = time.monotonic()
+                w = peer.worker
                 print(
-                    f"peer {record.public_name}: stage {stage}, {worker.samples_served} samples served, "
-                    f"{worker.optimizer_steps} steps, {record.throughput:.1f} samples/s, queue {record.queue}",
+                    f"peer {peer.name}: stage {peer.record.stage}, {w.samples_served} samples served, "
+                    f"{w.optimizer_steps} steps, {peer.record.throughput:.1f} samples/s, queue {peer.record.queue}",
                     file=sys.stderr,
                     flush=True,
                 )
-        print(f"peer {record.public_name}: leaving", flush=True)
-        announce_peer(dht, run.run_id, record.model_copy(update={"state": "leaving"}), ttl=REFRESH_S, timeout=2)
+        print(f"peer {peer.name}: leaving", flush=True)
         return 0
     finally:
-        if server is not None:
-            server.stop(grace=3).wait(5)
-        if worker is not None:
-            worker.close()
+        worker = peer.worker
+        peer.leave_stage()
         shutdown_dht(dht)
         if worker is not None:
             print(f"peer stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps", flush=True)

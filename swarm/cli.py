@@ -91,6 +91,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             threads=args.threads,
             delay_per_sample=args.delay_per_sample,
             step_log=args.log_steps,
+            rebalance=not args.no_rebalance,
         )
     if not args.config or args.stage is None:
         raise ConfigError("swarm peer: give --coordinator URL, or --config C with --stage K")
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stage index, or 'auto' (default with --coordinator): the least served stage",
     )
     peer.add_argument("--public-name", default="", help="name shown on the dashboard")
+    peer.add_argument("--no-rebalance", action="store_true", help="stay on the first stage (never move)")
     peer.add_argument("--delay-per-sample", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow device
     peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)  # tests: applied microbatches
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

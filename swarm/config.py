@@ -126,6 +126,13 @@ class DataConfig(_Strict):
         return self
 
 
+class RebalanceConfig(_Strict):
+    """When peers move between stages (swarm/rebalance.py)."""
+
+    period_s: float = Field(30.0, gt=0, description="mean seconds between checks (randomised 0.5x to 1.5x)")
+    margin: float = Field(0.1, ge=0.1, description="a move must lift the stage totals by more than this fraction")
+
+
 class RunConfig(_Strict):
     run_id: str = Field("swarm", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     model: ModelConfig = ModelConfig()
@@ -133,6 +140,7 @@ class RunConfig(_Strict):
     training: TrainingConfig = TrainingConfig()
     wire: WireConfig = WireConfig()
     serve: ServeConfig = ServeConfig()
+    rebalance: RebalanceConfig = RebalanceConfig()
     data: DataConfig = DataConfig()
 
     @model_validator(mode="after")

@@ -71,7 +71,7 @@ def move_for(throughputs: list[float], current: list[int], me: int, num_stages: 
 def should_move(view: SwarmView, me: PeerRecord, margin: float = 0.1) -> int | None:
     """`move_for` on what the DHT says: the online peers, each with its announced throughput."""
     peers = [p for k in range(len(view.stages)) for p in sorted(view.online(k), key=lambda p: p.peer_id)]
-    index = next((i for i, p in enumerate(peers) if p.peer_id == me.peer_id), None)
+    index = next((i for i, p in enumerate(peers) if p.peer_id == me.peer_id and p.stage == me.stage), None)
     if index is None:
         return None  # not online where we think we are: wait for the next refresh
     return move_for([p.throughput for p in peers], [p.stage for p in peers], index, len(view.stages), margin)

@@ -217,3 +217,31 @@ def test_trainer_waits_for_a_missing_stage_and_says_so(swarm):
     swarm.add_peer("late1", 1)
     records = swarm.finish_training()
     assert records[-1]["microbatches"] == 5 * ACCUMULATION
+
+
+def test_peers_started_on_one_stage_rebalance_two_and_two_and_then_stay(tmp_path):
+    period = 4.0
+    config = tmp_path / "rebalance.toml"
+    config.write_text(TINY.read_text() + f"\n[rebalance]\nperiod_s = {period}\n")
+    swarm = Swarm(tmp_path, config)
+    try:
+        names = ["r0", "r1", "r2", "r3"]
+        for name in names:
+            swarm.add_peer(name, 0)
+        swarm.wait_online(names)
+        started = time.monotonic()
+
+        def per_stage(s: dict) -> list[int]:
+            return [sum(p["state"] == "online" for p in stage["peers"]) for stage in s["stages"]]
+
+        # two check periods (each randomised up to 1.5x), plus a join of the moved peer
+        wait_for_state(swarm.url, lambda s: per_stage(s) == [2, 2], timeout=2 * 1.5 * period + 20)
+        balanced_after = time.monotonic() - started
+        moves = sum(swarm.peers[n].output().count("moving from stage") for n in names)
+        assert moves == 2, f"{moves} moves"
+        time.sleep(3 * period)  # the swarm is unchanged: nobody moves again
+        assert sum(swarm.peers[n].output().count("moving from stage") for n in names) == 2
+        assert per_stage(state(swarm.url)) == [2, 2]
+        assert balanced_after <= 2 * 1.5 * period + 20
+    finally:
+        swarm.close()
