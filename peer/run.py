@@ -10,7 +10,7 @@ import torch
 
 from peer.service import start_server
 from peer.worker import StageWorker
-from swarm.config import RunConfig
+from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 
 
@@ -24,8 +24,6 @@ def serve_stage(
     status_every: float = 30.0,
 ) -> int:
     if not 0 <= stage < run.stages.count:
-        from swarm.config import ConfigError
-
         raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
     if threads:
         torch.set_num_threads(threads)
