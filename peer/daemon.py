@@ -2,9 +2,10 @@
 
 Join: fetch the run config and DHT addresses from the coordinator, join the DHT, pick a stage (the
 one with the lowest total throughput, after a short random wait so that peers joining together
-spread out), announce `joining`, measure this device's throughput (cached), take the stage's
-current weights from a live peer of that stage (else the seeded init), start the stage worker,
-announce `online` and keep refreshing the record.
+spread out), announce `joining`, measure this device's throughput (cached), download the stage's
+weights, optimizer state and step from live peers of that stage through hivemind (else start from
+the seeded init: the record's `weights_from` says which), start the stage worker, announce
+`online` and keep refreshing the record.
 
 Leave (SIGTERM / SIGINT): announce `leaving`, let in-flight requests finish while new ones are
 refused, stop the DHT node and its p2pd, exit 0.
@@ -21,38 +22,19 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import torch
 
 from peer.service import start_server
 from peer.throughput import cached_throughput
 from peer.worker import StageWorker
-from swarm.client import StageClient
 from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.join import fetch_join
 from swarm.placement import pick_stage
 from swarm.rebalance import should_move
-from swarm.records import REFRESH_S, PeerRecord, announce_peer, make_dht, read_stage, read_swarm, shutdown_dht
-from swarm.wire import decode
+from swarm.records import REFRESH_S, PeerRecord, announce_peer, make_dht, read_swarm, shutdown_dht
 
 log = logging.getLogger("swarm.peer")
-
-
-def download_weights(run: RunConfig, stage: int, records: list[PeerRecord], me: str) -> tuple[dict | None, str]:
-    """The stage's current weights from the first live peer that answers; (None, '') when none does."""
-    for record in sorted(records, key=lambda r: -r.optimizer_steps):
-        if record.peer_id == me or record.state != "online":
-            continue
-        client = StageClient(record.address, run, timeout=60)
-        try:
-            state = client.parameters(stage)
-            return {p.name: decode(p.tensor) for p in state.parameters}, record.public_name or record.address
-        except grpc.RpcError as err:
-            log.warning("could not fetch stage %d weights from %s: %s", stage, record.address, err.code().name)
-        finally:
-            client.close()
-    return None, ""
 
 
 def announce_address(host: str, port: int) -> str:
@@ -103,14 +85,13 @@ class PeerDaemon:
         self.announce(stage=stage, state="joining", address="")
         print(f"peer {self.name}: joining stage {stage} of run {self.run.run_id!r}", flush=True)
         self.measured = cached_throughput(self.run, stage, self.device)
+        if self.delay_per_sample:  # a stand-in for a slower device is slower from the start
+            self.measured = 1 / (1 / self.measured + 2 * self.delay_per_sample)
         self.worker = StageWorker(
-            self.run, stage, self.device, delay_per_sample=self.delay_per_sample, step_log=self.step_log
+            self.run, stage, self.device, delay_per_sample=self.delay_per_sample, step_log=self.step_log, dht=self.dht
         )
-        weights, source = download_weights(
-            self.run, stage, read_stage(self.dht, self.run.run_id, stage), self.record.peer_id
-        )
-        if weights is not None:
-            self.worker.load_parameters(weights)
+        # Weights, optimizer state and step from live peers of the stage (else the seeded init).
+        source = self.worker.updater.load_state()
         # The port stays the same across moves, so the address the trainers know stays right.
         self.server, _, self.port = start_server(self.worker, self.host, self.port)
         self.announce(
@@ -119,11 +100,12 @@ class PeerDaemon:
             throughput=self.measured,
             state="online",
             samples_served=0,
-            optimizer_steps=0,
+            optimizer_steps=self.worker.optimizer_steps,
+            weights_from=source,
         )
         print(
             f"peer {self.name}: online, stage {stage}, serving on {self.record.address} ({self.worker.device_name}, "
-            f"{self.measured:.1f} samples/s measured, weights from {source or 'the seeded init'})",
+            f"{self.measured:.1f} samples/s measured, weights from {source})",
             flush=True,
         )
 

@@ -9,8 +9,11 @@ Backward is stateless: it recomputes the forward from the input it is given. A s
 keeps the autograd graph of training forwards served alone, so that when the same peer also gets
 the matching backward the recompute is skipped.
 
-Optimizer: each worker accumulates the gradients of the samples it served and takes a local AdamW
-step every global batch of samples.
+Optimizer (peer/averaging.py): each worker accumulates the gradients of the samples it served. A
+lone worker steps every global batch of samples; the peers of a swarm stage average their
+gradients with hivemind and step together. Requests carry the global step they belong to: a
+training request for step s needs the weights after s steps, so a worker that has not yet taken
+step s - 1 finishes it first (waiting for the stage's count, at most `averaging.sync_timeout_s`).
 """
 
 from __future__ import annotations
@@ -29,12 +32,11 @@ import grpc
 import torch
 import torch.nn.functional as F
 
+from peer.averaging import LocalUpdater, SwarmUpdater
 from peer.requests import BackwardWork, CachedForward, ForwardWork, RequestError
 from swarm.config import RunConfig
 from swarm.device import autocast, device_name
 from swarm.model import Stage
-from swarm.schedule import lr_at
-from swarm.train_local import make_optimizer
 
 
 @dataclass
@@ -117,15 +119,20 @@ class StageWorker:
         device: torch.device,
         delay_per_sample: float = 0.0,
         step_log: Path | None = None,
+        dht=None,
     ):
         """`delay_per_sample` (seconds) slows the worker down, to stand in for a slower device in tests;
-        `step_log` gets one JSON line per optimizer step naming the microbatches it applied."""
+        `step_log` gets one JSON line per optimizer step naming the microbatches it applied; with a
+        `dht`, the worker averages its steps with the other peers of its stage."""
         self.run, self.stage_index, self.device = run, stage, device
         self.delay_per_sample, self.step_log = delay_per_sample, step_log
         self.pending_ids: list[str] = []  # microbatches accumulated since the last step
         self.stage = Stage(run, stage).to(device)
         self.stage.train()
-        self.optimizer = make_optimizer(self.stage.parameters(), run.training)
+        if dht is None:
+            self.updater: LocalUpdater | SwarmUpdater = LocalUpdater(run, self.stage)
+        else:
+            self.updater = SwarmUpdater(run, stage, self.stage, dht, note=lambda text: print(text, flush=True))
         self.queue = WorkQueue()
         self.lock = threading.Lock()  # held while parameters or gradients change
         self.cache: collections.OrderedDict[str, CachedForward] = collections.OrderedDict()
@@ -133,7 +140,7 @@ class StageWorker:
         self._seq = itertools.count()
         self.samples_served = 0  # samples whose gradients were accumulated
         self.samples_pending = 0  # ... since the last optimizer step
-        self.optimizer_steps = 0
+        self._next_resync = 0.0
         self.sec_per_sample = {"forward": None, "backward": None}
         self.device_name = device_name(device)
         self._thread = threading.Thread(target=self._loop, name=f"stage-{stage}-compute", daemon=True)
@@ -160,6 +167,11 @@ class StageWorker:
                         raise ValueError(f"{name}: shape {list(params[name].shape)}, expected {list(p.shape)}")
                     p.copy_(params[name])
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Global steps this stage's weights include."""
+        return self.updater.epoch
+
     def claim_cached(self, microbatch_id: str) -> CachedForward | None:
         """Take this microbatch's recorded forward, if it is still here and still current."""
         with self._cache_lock:
@@ -177,15 +189,18 @@ class StageWorker:
     def close(self) -> None:
         self.queue.close()
         self._thread.join(timeout=10)
+        self.updater.close()
 
     # -- the compute thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
         while not self.queue.closed:
-            got = self.queue.take(self.run.serve.max_batch_tokens)
+            got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1)
             if got is None:
+                self._maybe_step()  # the stage may have completed its batch on other peers
                 continue
             kind, batch = got
+            self._catch_up(max(t.work.step for t in batch))
             batch = self._drop_cancelled(batch)
             if not batch:
                 continue
@@ -195,7 +210,6 @@ class StageWorker:
             try:
                 with self.lock:
                     results = self._backward(batch) if kind == "backward" else self._forward(batch)
-                    self._maybe_step()
                 if self.delay_per_sample:
                     time.sleep(self.delay_per_sample * sum(t.samples for t in batch))
             except Exception as err:  # a real fault: report it to every caller in the batch
@@ -209,6 +223,29 @@ class StageWorker:
                     task.future.set_exception(result)
                 else:
                     task.future.set_result(result)
+            self._maybe_step()  # after answering: the caller need not wait for the stage's step
+
+    def _catch_up(self, step: int) -> None:
+        """Work for global step `step` needs the weights after `step` steps: take the step before it
+        first, once the stage has served its batch (or the wait for the count times out)."""
+        if step > self.optimizer_steps + 1 and isinstance(self.updater, SwarmUpdater):
+            self._resync()  # the peer missed steps: take the stage's state
+        if step != self.optimizer_steps + 1:
+            return  # a stale trainer's gradient counts toward the current step, as in hivemind
+        deadline = time.monotonic() + self.run.averaging.sync_timeout_s
+        while self.optimizer_steps < step and not self.queue.closed:
+            if self.updater.behind(self.samples_pending):
+                self._resync()
+            elif self.updater.ready(self.samples_pending):
+                with self.lock:
+                    self._step()
+            elif time.monotonic() > deadline:
+                if self.updater.started(self.samples_pending):
+                    with self.lock:
+                        self._step(force=True)
+                return  # nothing was served toward this step: there is nothing to apply
+            else:
+                time.sleep(0.02)
 
     @staticmethod
     def _drop_cancelled(batch: list[_Task]) -> list[_Task]:
@@ -321,23 +358,35 @@ class StageWorker:
         self.samples_served += samples
         self.samples_pending += samples
         self.pending_ids.extend(t.work.microbatch_id for t in tasks)
+        self.updater.served(self.samples_pending)
 
     def _maybe_step(self) -> None:
-        t = self.run.training
-        if self.samples_pending < t.global_batch:
+        if self.updater.behind(self.samples_pending):
+            if time.monotonic() >= self._next_resync:
+                self._next_resync = time.monotonic() + 2
+                self._resync()
+        elif self.updater.ready(self.samples_pending):
+            with self.lock:
+                self._step()
+
+    def _resync(self) -> None:
+        """Replace this replica's state by the stage's (its pending gradients were for old weights)."""
+        with self.lock:
+            source = self.updater.load_state()
+            if self.samples_pending:
+                print(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients", flush=True)
+            self.samples_pending, self.pending_ids = 0, []
+            self.stage.zero_grad(set_to_none=False)
+        print(f"stage {self.stage_index}: caught up to step {self.optimizer_steps} from {source}", flush=True)
+
+    def _step(self, force: bool = False) -> None:
+        before = self.optimizer_steps
+        used = self.updater.step(self.samples_pending, force=force)
+        if self.optimizer_steps == before:
             return
-        lr = lr_at(self.optimizer_steps, t)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if t.grad_clip > 0:
-            # Each stage clips its own gradient norm: the global norm would need every stage.
-            torch.nn.utils.clip_grad_norm_(self.stage.parameters(), t.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         with self._cache_lock:
             self.cache.clear()  # graphs recorded before the step no longer match the weights
-        self.samples_pending -= t.global_batch
-        self.optimizer_steps += 1
+        self.samples_pending -= used
         if self.step_log:
             with open(self.step_log, "a") as f:
                 f.write(

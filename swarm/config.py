@@ -133,6 +133,37 @@ class RebalanceConfig(_Strict):
     margin: float = Field(0.1, ge=0.1, description="a move must lift the stage totals by more than this fraction")
 
 
+class AveragingConfig(_Strict):
+    """How the peers of a stage average their gradients (hivemind.Optimizer, peer/averaging.py).
+
+    On one machine or a LAN, 0.5 to 1 s of matchmaking is plenty; over the internet use 5 to 15 s,
+    with `averaging_timeout_s` 30 to 60 s and `chunk_timeout_s` 10 to 30 s. Every global step
+    costs about one matchmaking time plus the all-reduce.
+    """
+
+    matchmaking_time_s: float = Field(1.0, gt=0, description="how long peers gather into a group each step")
+    request_timeout_s: float = Field(0.5, gt=0, description="wait for a group leader's answer (< matchmaking)")
+    averaging_timeout_s: float = Field(
+        10.0, gt=0, description="longest a step waits for its all-reduce (a failed round costs this much)"
+    )
+    chunk_timeout_s: float = Field(
+        5.0, gt=0, description="a peer whose next part of the all-reduce is this late is left out of it"
+    )
+    load_state_timeout_s: float = Field(60.0, gt=0, description="longest a joiner waits for a stage's state")
+    sync_timeout_s: float = Field(
+        5.0, gt=0, description="after the trainer moved on, wait this long for the stage's sample count"
+    )
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> AveragingConfig:
+        if self.request_timeout_s >= self.matchmaking_time_s:
+            raise ValueError(
+                f"request_timeout_s: {self.request_timeout_s} must be below matchmaking_time_s "
+                f"({self.matchmaking_time_s})"
+            )
+        return self
+
+
 class RunConfig(_Strict):
     run_id: str = Field("swarm", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     model: ModelConfig = ModelConfig()
@@ -141,6 +172,7 @@ class RunConfig(_Strict):
     wire: WireConfig = WireConfig()
     serve: ServeConfig = ServeConfig()
     rebalance: RebalanceConfig = RebalanceConfig()
+    averaging: AveragingConfig = AveragingConfig()
     data: DataConfig = DataConfig()
 
     @model_validator(mode="after")

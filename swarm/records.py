@@ -44,6 +44,7 @@ class PeerRecord(BaseModel):
     updated: float = 0.0
     samples_served: int = Field(0, ge=0)
     optimizer_steps: int = Field(0, ge=0)
+    weights_from: str = ""  # where the stage's state came from: live peers, the seeded init, a checkpoint
 
 
 class TrainerRecord(BaseModel):

@@ -12,17 +12,9 @@ from swarm.config import RunConfig
 from swarm.data import TokenStream
 from swarm.device import autocast, device_name, resolve_device
 from swarm.model import Stage, lm_loss
+from swarm.optim import make_optimizer, param_groups
 from swarm.progress import RunLog, eval_due
 from swarm.schedule import lr_at
-
-
-def make_optimizer(params, cfg) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms), as in nanoGPT and Llama."""
-    params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
 @torch.no_grad()
@@ -45,7 +37,7 @@ def train_local(run: RunConfig, steps: int, device: str | None = None, log_json=
     data = TokenStream.from_config(run.data, run.model.seq_len, t.seed)
     val = data.val_batches(t.eval_batches, t.micro_batch)
     model = Stage(run, 0).to(dev)
-    opt = make_optimizer(model.parameters(), t)
+    opt = make_optimizer(param_groups(model, t.weight_decay), run)
     scaler = torch.amp.GradScaler(dev.type, enabled=dev.type == "cuda" and run.model.dtype == "float16")
     n_params = sum(p.numel() for p in model.parameters())
     log = RunLog(steps, log_json, desc=f"train --local ({device_name(dev)})")
@@ -63,10 +55,7 @@ def train_local(run: RunConfig, steps: int, device: str | None = None, log_json=
                 loss = lm_loss(model(b.inputs.to(dev, non_blocking=True)), b.targets.to(dev, non_blocking=True))
             scaler.scale(loss / t.accumulation).backward()
             loss_sum += loss.item()
-        if t.grad_clip > 0:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        scaler.step(opt)
+        scaler.step(opt)  # unscales, then the optimizer clips
         scaler.update()
         opt.zero_grad(set_to_none=True)
         val_loss = None

@@ -113,8 +113,13 @@ def run_training(
     log_json,
     desc: str,
     on_step: Callable[[dict], None] | None = None,
+    start: int = 0,
 ) -> list[dict]:
-    """The training loop over any pipeline: one global batch per step, `inflight` microbatches at once."""
+    """The training loop over any pipeline: one global batch per step, `inflight` microbatches at once.
+
+    Steps are global: the loop runs steps start .. start + steps - 1 (a trainer joining a swarm
+    starts at the swarm's step), and data order follows the global step. A validation pass after
+    step s asks for the weights after s + 1 steps."""
     t = run.training
     data = TokenStream.from_config(run.data, run.model.seq_len, t.seed)
     val = data.val_batches(t.eval_batches, t.micro_batch)
@@ -124,7 +129,8 @@ def run_training(
     tokens_per_step = t.global_batch * run.model.seq_len
     done = 0
     try:
-        for step in range(steps):
+        for i in range(steps):
+            step = start + i
             jobs = [
                 pool.submit(pipe.microbatch, data.microbatch(step, i, t.micro_batch), step, f"{step}.{i}")
                 for i in range(t.accumulation)
@@ -132,8 +138,8 @@ def run_training(
             loss = sum(j.result() for j in jobs) / len(jobs)
             done += len(jobs)
             val_loss = None
-            if eval_due(step, steps, t.eval_every):
-                jobs = [pool.submit(pipe.microbatch, b, step, f"val{step}.{i}", False) for i, b in enumerate(val)]
+            if eval_due(i, steps, t.eval_every):
+                jobs = [pool.submit(pipe.microbatch, b, step + 1, f"val{step}.{j}", False) for j, b in enumerate(val)]
                 val_loss = sum(j.result() for j in jobs) / len(jobs)
             record = log.step(
                 step,

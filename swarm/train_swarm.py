@@ -66,6 +66,12 @@ class SwarmPipeline(Pipeline):
                 self.routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
                 self.addresses[k] = {p.peer_id: p.address for p in online}
 
+    def swarm_step(self) -> int:
+        """The global step the stages are at: where a joining trainer starts."""
+        view = read_swarm(self.dht, self.run.run_id, self.num_stages)
+        steps = [max(p.optimizer_steps for p in view.online(k)) for k in range(self.num_stages) if view.online(k)]
+        return min(steps, default=0)
+
     def _refresh_loop(self, period: float) -> None:
         last_announce = 0.0
         while not self._stop.wait(period):
@@ -160,5 +166,8 @@ def train_swarm(
     run, initial_peers = fetch_join(coordinator)
     pipe = SwarmPipeline(run, initial_peers, call_timeout=call_timeout, public_name=public_name)
     steps = steps or run.training.steps
+    start = pipe.swarm_step()
     desc = f"train ({run.stages.count} stages via {coordinator}, {inflight} in flight)"
-    return run_training(run, pipe, steps, inflight, log_json, desc, on_step=pipe.report)
+    if start:
+        desc += f" from step {start}"
+    return run_training(run, pipe, steps, inflight, log_json, desc, on_step=pipe.report, start=start)

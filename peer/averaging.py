@@ -1,0 +1,334 @@
+"""How a stage takes its optimizer steps: alone, or averaged with the other peers of its stage.
+
+Both updaters work on the gradients the worker accumulates in the parameters' `.grad`: the last
+stage scales each microbatch's loss by samples / global batch, so after a whole global batch the
+sum of the served microbatches' gradients is the batch mean, as in the reference trainer.
+
+`LocalUpdater` (a stage with one worker, e.g. `swarm train --peers`): an AdamW step every
+`global_batch` samples served.
+
+`SwarmUpdater` (a stage served by a swarm of peers): hivemind's `Optimizer`, one run id per stage
+(`{run_id}_stage{k}`) with the run's global batch as its target batch size. Each peer reports the
+samples it served through hivemind's progress tracker; when the stage as a whole has served the
+global batch, every peer hands its gradient, weighted by the samples it served, to one all-reduce,
+and every replica applies the same averaged gradient with the same AdamW state and learning rate:
+the replicas stay identical. The step number is hivemind's epoch, and the learning-rate schedule
+follows it. A peer that joins downloads the stage's weights, optimizer state and step from live
+peers (`load_state`) before it serves.
+
+hivemind decides the end of an epoch from its tracker, which may also fire early on an estimated
+time of arrival. Here the end of a global batch is known exactly (the trainer starts the next step
+only when the last one is complete), so a step is taken only on the sample count, or when the
+trainer has moved on (a request for a later step) and the count still falls short after
+`averaging.sync_timeout_s` — a peer that died took its share of samples with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import time
+from functools import partial
+
+import hivemind
+import torch
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.utils import get_dht_time
+
+from swarm.config import RunConfig
+from swarm.optim import make_optimizer, param_groups
+from swarm.records import TTL_S
+from swarm.schedule import lr_at
+
+log = logging.getLogger("swarm.averaging")
+
+
+def grads_finite(module: torch.nn.Module) -> bool:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads)
+    return bool(torch.isfinite(torch.stack(norms)).all())
+
+
+def drop_grads(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+class LocalUpdater:
+    """One worker per stage: it sees every sample, so it steps after each global batch."""
+
+    def __init__(self, run: RunConfig, module: torch.nn.Module):
+        self.run, self.module = run, module
+        self.optimizer = make_optimizer(param_groups(module, run.training.weight_decay), run)
+        self.epoch = 0
+        self.source = "the seeded init"
+
+    def served(self, pending: int) -> None:
+        pass
+
+    def ready(self, pending: int) -> bool:
+        return pending >= self.run.training.global_batch
+
+    def started(self, pending: int) -> bool:
+        return pending > 0
+
+    def behind(self, pending: int) -> bool:
+        return False
+
+    def step(self, pending: int, force: bool = False) -> int:
+        """Apply the accumulated gradient; returns how many samples it used."""
+        t = self.run.training
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.epoch, t)
+        used = min(pending, t.global_batch)
+        self.optimizer.step()
+        if self.optimizer.skipped:
+            self.optimizer.skipped = 0
+            log.warning("stage step %d: dropped a non-finite gradient of %d samples", self.epoch, used)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.epoch += 1
+        return used
+
+    def load_state(self) -> str:
+        return self.source
+
+    def close(self) -> None:
+        pass
+
+
+def _float64_like(groups: list[dict]) -> list[torch.Tensor]:
+    """The all-reduce buffers, in float64.
+
+    hivemind's all-reduce hands each peer its result as its own part plus a delta, so in float32 the
+    replicas' averages differ in the last bit; AdamW's first steps (and any near-zero gradient) turn
+    such a difference into a whole step of the learning rate in opposite directions. Averaged in
+    float64 and rounded to float32 once, every replica gets the same gradient, and the replicas stay
+    equal. The cost: twice the bytes of a float32 all-reduce."""
+    return [torch.zeros(p.shape, dtype=torch.float64).share_memory_() for g in groups for p in g["params"]]
+
+
+def weights_digest(module: torch.nn.Module, sample: int = 65536) -> str:
+    """A fingerprint of the weights' bits: up to `sample` evenly spaced elements of every tensor (a
+    failed part of an all-reduce spans far more elements than the spacing)."""
+    h = hashlib.blake2b(digest_size=16)
+    with torch.no_grad():
+        for p in module.parameters():
+            flat = p.detach().reshape(-1)
+            h.update(flat[:: max(1, flat.numel() // sample)].to("cpu").contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class ReplicaCheck:
+    """After every step each replica publishes a digest of its weights; a replica whose digest is
+    not the one most replicas hold (ties: the one whose holder has the smallest peer id) has diverged.
+
+    hivemind reports an all-reduce that lost some parts ("received 88% of results") only in its log,
+    and the round still counts as a success; the replicas then differ in those parts."""
+
+    WAIT_S = 5.0  # how long after its step a replica keeps looking for the others' digests
+
+    def __init__(self, dht: hivemind.DHT, key: str, me: str):
+        self.dht, self.key, self.me = dht, key, me
+        self.mine: tuple[int, str] | None = None
+        self.settled = True  # nothing to check until the first step
+        self.published_at = self.next_check = 0.0
+
+    def publish(self, step: int, digest: str) -> None:
+        self.mine = (step, digest)
+        self.dht.store(self.key, subkey=self.me, value=[step, digest], expiration_time=get_dht_time() + TTL_S)
+        self.published_at = time.monotonic()
+        self.next_check = self.published_at + 0.2
+        self.settled = False
+
+    def diverged(self, expected: int) -> bool:
+        """True when this replica's weights differ from the stage's majority for its step. Looks at
+        most every 0.5 s, until `expected` replicas have published or WAIT_S has passed."""
+        if self.settled or self.mine is None or time.monotonic() < self.next_check:
+            return False
+        self.next_check = time.monotonic() + 0.5
+        found = self.dht.get(self.key, latest=True)
+        digests = {}
+        if found is not None and isinstance(found.value, dict):
+            for peer, item in found.value.items():
+                value = item.value
+                if isinstance(value, list) and len(value) == 2 and value[0] == self.mine[0]:
+                    digests[str(peer)] = str(value[1])
+        if len(digests) >= expected or time.monotonic() - self.published_at > self.WAIT_S:
+            self.settled = True
+        if len(digests) < 2:
+            return False
+        holders = collections.Counter(digests.values())
+        winner = min(holders, key=lambda d: (-holders[d], min(p for p, v in digests.items() if v == d)))
+        return winner != self.mine[1]
+
+
+class SwarmUpdater:
+    """The peers of one stage average gradients to a global batch through hivemind.Optimizer."""
+
+    def __init__(self, run: RunConfig, stage: int, module: torch.nn.Module, dht: hivemind.DHT, note=print):
+        self.run, self.stage, self.module, self.note = run, stage, module, note
+        t, a = run.training, run.averaging
+        self.prefix = f"{run.run_id}_stage{stage}".replace(".", "_")  # hivemind forbids dots
+        self.dropped = 0  # contributions left out of the average because they were not finite
+        self.source = "the seeded init"
+        self.missed = False  # the last all-reduce left this replica out
+        self.check = ReplicaCheck(dht, f"{self.prefix}_digests", dht.peer_id.to_base58())
+        self.last_step: dict = {}
+        groups = param_groups(module, t.weight_decay)
+        self.opt = hivemind.Optimizer(
+            dht=dht,
+            run_id=self.prefix,
+            target_batch_size=t.global_batch,
+            params=groups,
+            optimizer=lambda groups: make_optimizer(groups, run),
+            # hivemind steps the scheduler once per epoch: the rate of global step e is lr_at(e).
+            scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_at(e, t) / t.lr),
+            matchmaking_time=a.matchmaking_time_s,
+            averaging_timeout=a.averaging_timeout_s,
+            next_chunk_timeout=a.chunk_timeout_s,
+            load_state_timeout=a.load_state_timeout_s,
+            # The worker accumulates into .grad itself (scaled by loss_scale), so hivemind's own
+            # accumulators would only be a second copy.
+            reuse_grad_buffers=True,
+            offload_optimizer=False,
+            grad_averager_factory=partial(GradientAverager, averaged_grads=_float64_like(groups)),
+            # Replicas apply identical steps, so averaging their parameters would change nothing; a
+            # replica that missed a round loads the others' state instead (`behind`).
+            average_state_every=2**31 - 1,
+            averager_opts={"request_timeout": a.request_timeout_s},
+            # Fetch the stage's progress often (the step waits for it) and let a dead peer's report
+            # expire as fast as its swarm record does.
+            tracker_opts={
+                "min_refresh_period": 0.1,
+                "max_refresh_period": 0.5,
+                "default_refresh_period": 0.5,
+                "metadata_expiration": TTL_S,
+            },
+        )
+
+    @property
+    def epoch(self) -> int:
+        return self.opt.local_epoch
+
+    def served(self, pending: int) -> None:
+        """Tell the stage's tracker how many samples this peer holds gradients for."""
+        self.opt.tracker.report_local_progress(self.epoch, pending)
+
+    def ready(self, pending: int) -> bool:
+        """Time to take the step: the stage as a whole served the global batch (and hivemind sees the
+        peers to average with), or the stage's other peers just took it and this peer holds samples."""
+        progress = self.opt.tracker.global_progress
+        if pending > 0 and progress.epoch == self.epoch + 1:
+            return True
+        return progress.samples_accumulated >= self.run.training.global_batch and (
+            # hivemind averages only when its tracker sees another peer; until this peer's own
+            # report shows up in a fetch it may see just one, and would step alone.
+            pending >= self.run.training.global_batch or progress.num_peers >= 2
+        )
+
+    def behind(self, pending: int) -> bool:
+        """This replica's weights are not the stage's: it missed a step (served nothing toward it, or
+        was away), or its last all-reduce did not include the others. It must load their state."""
+        epoch = self.opt.tracker.global_epoch
+        if self.missed or epoch > self.epoch + 1 or (epoch == self.epoch + 1 and pending == 0):
+            return True
+        if self.check.diverged(expected=max(2, self.opt.tracker.global_progress.num_peers)):
+            self.missed = True
+            self.opt.state_averager.state_sharing_priority = self.epoch - 0.5  # load from the majority
+            self.note(f"stage {self.stage} step {self.epoch}: these weights differ from the other replicas'")
+        return self.missed
+
+    def started(self, pending: int) -> bool:
+        """Some peer of the stage served samples toward the current step."""
+        return pending > 0 or self.opt.tracker.global_progress.samples_accumulated > 0
+
+    def step(self, pending: int, force: bool = False) -> int:
+        """Hand this peer's gradient to the stage's all-reduce and apply the average; returns the
+        samples used (0 when no step was taken).
+
+        `force`: end the epoch even if the count falls short (the trainer has moved on)."""
+        t = self.run.training
+        if not grads_finite(self.module):
+            drop_grads(self.module)
+            self.dropped += 1
+            self.note(f"stage {self.stage} step {self.epoch}: dropped a non-finite gradient of {pending} samples")
+            pending = 0
+        elif pending > 0:
+            # .grad holds (pending / global batch) x this peer's mean gradient; hivemind averages
+            # contributions weighted by their samples, so hand it the mean.
+            self._scale(t.global_batch / pending)
+        if force and not self.ready(pending):
+            # hivemind's tracker also ends an epoch when its estimated time of arrival has passed.
+            with self.opt.tracker.pause_updates():
+                self.opt.tracker.global_progress.eta_next_epoch = get_dht_time()
+        before, control = self.epoch, self.opt.scheduled_grads
+        started = time.perf_counter()
+        self.opt.step(batch_size=pending)
+        if self.epoch != before + 1:
+            # No step: the tracker's view changed between the check and the step (a fetch landed),
+            # or hivemind found this peer out of sync and loaded the stage's state. Take back what
+            # hivemind counted and the scaling, so that a next try counts these samples once.
+            averager = self.opt.grad_averager
+            averager.local_samples_accumulated = max(0, averager.local_samples_accumulated - pending)
+            averager.local_times_accumulated = max(0, averager.local_times_accumulated - 1)
+            if pending > 0:
+                self._scale(pending / t.global_batch)
+            return 0
+        group = self._group_size(control)
+        optimizer = self.opt.state_averager.optimizer
+        if optimizer.skipped:
+            # The average came back non-finite (part of the all-reduce failed): the step was not
+            # applied here, though others may have applied theirs.
+            optimizer.skipped = 0
+            group = 0
+            self.note(f"stage {self.stage} step {before}: the averaged gradient was not finite; not applied")
+        self.last_step = {"step": before, "samples": pending, "group": group, "s": time.perf_counter() - started}
+        log.info("stage %d step %d: %d samples, averaged in a group of %d", self.stage, before, pending, group)
+        if group == 0 or (group < 2 and pending < t.global_batch):
+            # This replica applied a partial gradient: it no longer matches the others. Offer its
+            # state last, and load theirs.
+            self.missed = True
+            self.opt.state_averager.state_sharing_priority = self.epoch - 0.5
+            self.note(f"stage {self.stage} step {before}: averaged alone with {pending} samples; resyncing")
+        else:
+            self.check.publish(self.epoch, weights_digest(self.module))
+        return pending
+
+    def _scale(self, factor: float) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def _group_size(self, previous) -> int:
+        """How many peers the all-reduce of the step just taken included (1: it averaged alone)."""
+        control = self.opt.scheduled_grads
+        if control is None or control is previous or not control.done() or control.exception() is not None:
+            return 1
+        return len(control.result())
+
+    def load_state(self) -> str:
+        """Take the stage's weights, optimizer state and step from live peers, if there are any;
+        returns where the state came from."""
+        others = self._state_holders() - {self.opt.dht.peer_id.to_bytes()}
+        if others:
+            self.opt.load_state_from_peers()
+            self.source = f"peers of stage {self.stage} at step {self.epoch}"
+        self.missed = False
+        self.opt.state_averager.state_sharing_priority = self.epoch
+        self.check.publish(self.epoch, weights_digest(self.module))
+        return self.source
+
+    def _state_holders(self) -> set[bytes]:
+        """Peers that offer this stage's state (hivemind's averagers announce themselves in the DHT)."""
+        found = self.opt.dht.get(f"{self.prefix}_state_averager.all_averagers", latest=True)
+        return set(found.value) if found is not None and isinstance(found.value, dict) else set()
+
+    def close(self) -> None:
+        self.opt.shutdown()
+
+
+Updater = LocalUpdater | SwarmUpdater

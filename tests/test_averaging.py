@@ -1,0 +1,128 @@
+"""Per-stage gradient averaging with real processes: replicas stay equal, late joiners take the
+stage's state, and an unequal swarm rebalances close to the best assignment."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from swarm.client import StageClient
+from swarm.config import load_config
+from swarm.model import Stage
+from swarm.wire import decode, encode
+from tests.processes import wait_for_state
+from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
+
+FAST_AVERAGING = "\n[averaging]\nmatchmaking_time_s = 0.5\nrequest_timeout_s = 0.3\n"
+
+
+def config_with(tmp_path, extra: str):
+    path = tmp_path / "run.toml"
+    path.write_text(TINY.read_text() + extra)
+    return path, load_config(path)
+
+
+def parameters(run, record: dict) -> tuple[int, dict[str, torch.Tensor]]:
+    client = StageClient(record["address"], run)
+    try:
+        response = client.parameters(record["stage"])
+    finally:
+        client.close()
+    return response.optimizer_steps, {p.name: decode(p.tensor) for p in response.parameters}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+@pytest.fixture
+def averaging_swarm(tmp_path):
+    path, run = config_with(tmp_path, FAST_AVERAGING)
+    swarm = Swarm(tmp_path, path)
+    swarm.run = run
+    yield swarm
+    swarm.close()
+
+
+def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averaging_swarm):
+    swarm, run, steps = averaging_swarm, averaging_swarm.run, 6
+    names = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
+    for name, stage in names.items():
+        swarm.add_peer(name, stage, "--no-rebalance")
+    swarm.wait_online(list(names))
+    swarm.train(steps=steps)
+    records = swarm.finish_training()
+    assert [r["step"] for r in records] == list(range(steps))
+
+    s = state(swarm.url)
+    held = {name: parameters(run, peer_record(s, name)) for name in names}
+    for a, b in (("a0", "b0"), ("a1", "b1")):
+        assert held[a][0] == held[b][0] == steps, f"{a} and {b} took {held[a][0]} and {held[b][0]} steps"
+        assert max_difference(held[a][1], held[b][1]) <= 1e-6, f"{a} and {b} drifted apart"
+    # ... and they did train: the weights moved away from the seeded init.
+    init = dict(Stage(run, 1).named_parameters())
+    assert max_difference({n: t.detach() for n, t in init.items()}, held["a1"][1]) > 1e-3
+
+    # A peer joining now takes the stage's weights, optimizer state and step from the others.
+    swarm.add_peer("late1", 1, "--no-rebalance")
+    s = swarm.wait_online(["late1"])
+    late = peer_record(s, "late1")
+    assert late["weights_from"] == f"peers of stage 1 at step {steps}", late
+    assert late["optimizer_steps"] == steps
+
+    assert max_difference(parameters(run, late)[1], held["a1"][1]) <= 1e-6
+
+    # Its first served forward gives what an old replica gives for the same input.
+    x = torch.randn(2, run.model.seq_len, run.model.d_model)
+    targets = encode(torch.randint(0, run.model.vocab_size, (2, run.model.seq_len)))
+    outputs = {}
+    for name in ("late1", "a1"):
+        client = StageClient(peer_record(s, name)["address"], run)
+        try:
+            response = client.forward(1, encode(x), f"probe-{name}", steps, targets=targets, train=False)
+        finally:
+            client.close()
+        outputs[name] = response.loss
+    assert outputs["late1"] == pytest.approx(outputs["a1"], abs=1e-6), outputs
+
+
+def best_min_total(speeds: list[float], stages: int) -> float:
+    return max(
+        min(sum(s for s, a in zip(speeds, assign, strict=True) if a == k) for k in range(stages))
+        for assign in itertools.product(range(stages), repeat=len(speeds))
+    )
+
+
+def stage_totals(s: dict) -> list[float]:
+    return [sum(p["throughput"] for p in stage["peers"] if p["state"] == "online") for stage in s["stages"]]
+
+
+def test_unequal_peers_rebalance_to_within_ten_percent_of_the_best_assignment(tmp_path):
+    period = 4.0
+    path, _ = config_with(tmp_path, f"\n[rebalance]\nperiod_s = {period}\n")
+    swarm = Swarm(tmp_path, path)
+    # The delay stands in for a slower device: it lowers the throughput the peer measures.
+    delays = {"u0": 0.0, "u1": 0.02, "u2": 0.05, "u3": 0.1}
+    try:
+        for name, delay in delays.items():
+            swarm.add_peer(name, 0, "--delay-per-sample", str(delay))
+        swarm.wait_online(list(delays))
+        speeds = {p["public_name"]: p["throughput"] for st in state(swarm.url)["stages"] for p in st["peers"]}
+        assert speeds["u0"] > 1.5 * speeds["u3"], speeds
+        optimum = best_min_total(list(speeds.values()), 2)
+
+        # Every move needs one check period (randomised up to 1.5x) and a join on the new stage.
+        def settled(s: dict) -> bool:
+            return len(online_names(s)) == 4 and min(stage_totals(s)) >= 0.9 * optimum
+
+        s = wait_for_state(swarm.url, settled, timeout=4 * 1.5 * period + 40)
+        moves = sum(p.output().count("moving from stage") for p in swarm.peers.values())
+        time.sleep(3 * period)  # the swarm is unchanged: nobody moves again
+        assert sum(p.output().count("moving from stage") for p in swarm.peers.values()) == moves
+        assert min(stage_totals(state(swarm.url))) >= 0.9 * optimum, (stage_totals(s), optimum, speeds)
+    finally:
+        swarm.close()
