@@ -7,9 +7,11 @@ import importlib
 import sys
 
 BENCHMARKS = {
+    "averaging": "benchmarks.averaging",
     "failover": "benchmarks.failover",
     "local": "benchmarks.local",
     "pipeline": "benchmarks.pipeline",
+    "rebalance": "benchmarks.rebalance",
     "wire": "benchmarks.wire",
 }
 

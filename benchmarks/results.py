@@ -44,3 +44,18 @@ def append_row(section: str, columns: list[str], values: list, path: Path = RESU
     text = head + marker + "\n".join(lines + [row]) + "\n" + (sep[1:] + rest if sep else "")
     path.write_text(text)
     return row
+
+
+def replace_section(section: str, body: str, path: Path = RESULTS) -> None:
+    """Put `body` under `## section`, replacing what was there (for tables rewritten on every run)."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    marker = f"## {section}\n"
+    head, found, tail = text.partition(marker)
+    if found:
+        # The section ends where the next one begins.
+        nxt = tail.find("\n## ")
+        rest = tail[nxt + 1 :] if nxt >= 0 else ""
+        text = head + marker + "\n" + body.rstrip("\n") + "\n\n" + rest
+    else:
+        text = text.rstrip("\n") + f"\n\n{marker}\n{body.rstrip()}\n"
+    path.write_text(text.rstrip("\n") + "\n")

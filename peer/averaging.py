@@ -139,7 +139,8 @@ class ReplicaCheck:
 
     def publish(self, step: int, digest: str) -> None:
         self.mine = (step, digest)
-        self.dht.store(self.key, subkey=self.me, value=[step, digest], expiration_time=get_dht_time() + TTL_S)
+        expires = get_dht_time() + TTL_S
+        self.dht.store(self.key, subkey=self.me, value=[step, digest], expiration_time=expires, return_future=True)
         self.published_at = time.monotonic()
         self.next_check = self.published_at + 0.2
         self.settled = False
@@ -191,6 +192,7 @@ class SwarmUpdater:
             averaging_timeout=a.averaging_timeout_s,
             next_chunk_timeout=a.chunk_timeout_s,
             load_state_timeout=a.load_state_timeout_s,
+            shutdown_timeout=2,
             # The worker accumulates into .grad itself (scaled by loss_scale), so hivemind's own
             # accumulators would only be a second copy.
             reuse_grad_buffers=True,

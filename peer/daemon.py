@@ -118,16 +118,27 @@ class PeerDaemon:
             optimizer_steps=self.worker.optimizer_steps,
         )
 
-    def leave_stage(self, timeout: float = 2) -> None:
+    def leave_stage(self, timeout: float = 0) -> None:
         """Announce leaving, let in-flight requests finish (new ones are refused), stop the worker."""
         # Same time to live as any refresh: the DHT keeps, per subkey, the value that expires last,
-        # so a shorter-lived "leaving" would be ignored in favour of the last "online".
+        # so a shorter-lived "leaving" would be ignored in favour of the last "online". No wait for
+        # the store (timeout 0): the DHT process goes on with it while the requests drain.
+        started = time.monotonic()
         self.announce(timeout=timeout, state="leaving")
+        announced = time.monotonic()
         if self.server is not None:
             self.server.stop(grace=3).wait(5)
+        drained = time.monotonic()
         if self.worker is not None:
             self.worker.close()
         self.server = None
+        print(
+            f"peer {self.name}: left stage {self.record.stage} in {time.monotonic() - started:.1f} s "
+            f"(announce {announced - started:.1f} s, drain {drained - announced:.1f} s, "
+            f"worker {time.monotonic() - drained:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def rebalance(self) -> None:
         """Move to the stage the swarm needs most, when that is clearly better (swarm/rebalance.py)."""

@@ -21,10 +21,11 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from peer.requests import BackwardWork, CachedForward, ForwardWork, RequestError
 from swarm.config import RunConfig
 from swarm.device import autocast, device_name
 from swarm.model import Stage
+
+log = logging.getLogger("swarm.worker")
 
 
 @dataclass
@@ -102,7 +105,18 @@ class WorkQueue:
             self.cond.notify_all()
             for lane in self.lanes.values():
                 while lane:
-                    lane.popleft().future.set_exception(RuntimeError("the worker is shutting down"))
+                    _resolve(lane.popleft().future, error=RuntimeError("the worker is shutting down"))
+
+
+def _resolve(future: Future, result=None, error: BaseException | None = None) -> None:
+    """Hand a result to a caller that may have given up meanwhile (its future is then cancelled)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _batch_key(work: ForwardWork | BackwardWork) -> tuple:
@@ -187,43 +201,61 @@ class StageWorker:
         return 1.0 / ((f or 0.0) + (b or f or 0.0))
 
     def close(self) -> None:
+        """Refuse queued work and stop. A step still averaging is left to time out on its own
+        (the thread is a daemon): leaving must not wait for the stage's all-reduce."""
         self.queue.close()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=1)
         self.updater.close()
 
     # -- the compute thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
         while not self.queue.closed:
-            got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1)
-            if got is None:
-                self._maybe_step()  # the stage may have completed its batch on other peers
-                continue
-            kind, batch = got
-            self._catch_up(max(t.work.step for t in batch))
-            batch = self._drop_cancelled(batch)
-            if not batch:
-                continue
-            start = time.perf_counter()
-            for task in batch:
-                task.future.queue_s = start - task.enqueued  # read by the service, reported for routing
             try:
-                with self.lock:
-                    results = self._backward(batch) if kind == "backward" else self._forward(batch)
-                if self.delay_per_sample:
-                    time.sleep(self.delay_per_sample * sum(t.samples for t in batch))
-            except Exception as err:  # a real fault: report it to every caller in the batch
-                for task in batch:
-                    task.future.set_exception(err)
-                continue
-            samples = sum(t.samples for t in batch)
-            self._measure(kind, batch, (time.perf_counter() - start) / samples)
-            for task, result in zip(batch, results, strict=True):
-                if isinstance(result, Exception):
-                    task.future.set_exception(result)
-                else:
-                    task.future.set_result(result)
-            self._maybe_step()  # after answering: the caller need not wait for the stage's step
+                self._turn()
+            except Exception:  # the compute thread must outlive any one failure, or the peer goes deaf
+                log.exception("stage %d: compute thread error", self.stage_index)
+                time.sleep(0.1)
+
+    def _turn(self) -> None:
+        """One round of the compute thread: a batch of work, or a look at the stage's step when idle."""
+        got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1)
+        if got is None:
+            self._maybe_step()  # the stage may have completed its batch on other peers
+            return
+        kind, batch = got
+        try:
+            self._catch_up(max(t.work.step for t in batch))
+        except Exception as err:  # e.g. the stage's state could not be loaded: these callers retry elsewhere
+            for task in batch:
+                _resolve(task.future, error=RequestError(grpc.StatusCode.UNAVAILABLE, f"stage sync failed: {err}"))
+            raise
+        self._run_batch(kind, batch)
+
+    def _run_batch(self, kind: str, batch: list[_Task]) -> None:
+        batch = self._drop_cancelled(batch)
+        if not batch:
+            return
+        start = time.perf_counter()
+        for task in batch:
+            task.future.queue_s = start - task.enqueued  # read by the service, reported for routing
+        try:
+            with self.lock:
+                results = self._backward(batch) if kind == "backward" else self._forward(batch)
+            if self.delay_per_sample:
+                time.sleep(self.delay_per_sample * sum(t.samples for t in batch))
+        except Exception as err:  # a real fault: report it to every caller in the batch
+            for task in batch:
+                _resolve(task.future, error=err)
+            return
+        samples = sum(t.samples for t in batch)
+        self._measure(kind, batch, (time.perf_counter() - start) / samples)
+        for task, result in zip(batch, results, strict=True):
+            if isinstance(result, Exception):
+                _resolve(task.future, error=result)
+            else:
+                _resolve(task.future, result=result)
+        self._maybe_step()  # after answering: the caller need not wait for the stage's step
 
     def _catch_up(self, step: int) -> None:
         """Work for global step `step` needs the weights after `step` steps: take the step before it
@@ -254,7 +286,7 @@ class StageWorker:
         kept = []
         for task in batch:
             if task.active is not None and not task.active():
-                task.future.set_exception(RequestError(grpc.StatusCode.CANCELLED, "the caller gave up"))
+                _resolve(task.future, error=RequestError(grpc.StatusCode.CANCELLED, "the caller gave up"))
             else:
                 kept.append(task)
         return kept

@@ -3,12 +3,12 @@ stage's state, and an unequal swarm rebalances close to the best assignment."""
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import pytest
 import torch
 
+from benchmarks.rebalance import best_min_total, stage_totals
 from swarm.client import StageClient
 from swarm.config import load_config
 from swarm.model import Stage
@@ -52,13 +52,16 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
     swarm, run, steps = averaging_swarm, averaging_swarm.run, 6
     names = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
     for name, stage in names.items():
-        swarm.add_peer(name, stage, "--no-rebalance")
+        swarm.add_peer(name, stage)
     swarm.wait_online(list(names))
     swarm.train(steps=steps)
     records = swarm.finish_training()
     assert [r["step"] for r in records] == list(range(steps))
 
     s = state(swarm.url)
+    for k in (0, 1):  # the first peer of a stage starts it from the seeded init, and says so
+        sources = {peer_record(s, n)["weights_from"] for n, stage in names.items() if stage == k}
+        assert "the seeded init" in sources and sources <= {"the seeded init", f"peers of stage {k} at step 0"}
     held = {name: parameters(run, peer_record(s, name)) for name in names}
     for a, b in (("a0", "b0"), ("a1", "b1")):
         assert held[a][0] == held[b][0] == steps, f"{a} and {b} took {held[a][0]} and {held[b][0]} steps"
@@ -68,7 +71,7 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
     assert max_difference({n: t.detach() for n, t in init.items()}, held["a1"][1]) > 1e-3
 
     # A peer joining now takes the stage's weights, optimizer state and step from the others.
-    swarm.add_peer("late1", 1, "--no-rebalance")
+    swarm.add_peer("late1", 1)
     s = swarm.wait_online(["late1"])
     late = peer_record(s, "late1")
     assert late["weights_from"] == f"peers of stage 1 at step {steps}", late
@@ -90,17 +93,6 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
     assert outputs["late1"] == pytest.approx(outputs["a1"], abs=1e-6), outputs
 
 
-def best_min_total(speeds: list[float], stages: int) -> float:
-    return max(
-        min(sum(s for s, a in zip(speeds, assign, strict=True) if a == k) for k in range(stages))
-        for assign in itertools.product(range(stages), repeat=len(speeds))
-    )
-
-
-def stage_totals(s: dict) -> list[float]:
-    return [sum(p["throughput"] for p in stage["peers"] if p["state"] == "online") for stage in s["stages"]]
-
-
 def test_unequal_peers_rebalance_to_within_ten_percent_of_the_best_assignment(tmp_path):
     period = 4.0
     path, _ = config_with(tmp_path, f"\n[rebalance]\nperiod_s = {period}\n")
@@ -109,7 +101,7 @@ def test_unequal_peers_rebalance_to_within_ten_percent_of_the_best_assignment(tm
     delays = {"u0": 0.0, "u1": 0.02, "u2": 0.05, "u3": 0.1}
     try:
         for name, delay in delays.items():
-            swarm.add_peer(name, 0, "--delay-per-sample", str(delay))
+            swarm.add_peer(name, 0, "--delay-per-sample", str(delay), rebalance=True)
         swarm.wait_online(list(delays))
         speeds = {p["public_name"]: p["throughput"] for st in state(swarm.url)["stages"] for p in st["peers"]}
         assert speeds["u0"] > 1.5 * speeds["u3"], speeds

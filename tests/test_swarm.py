@@ -27,7 +27,10 @@ class Swarm:
         self.peers: dict[str, Proc] = {}
         self.trainer: Proc | None = None
 
-    def add_peer(self, name: str, stage: int | str = "auto", *extra: str) -> Proc:
+    def add_peer(self, name: str, stage: int | str = "auto", *extra: str, rebalance: bool = False) -> Proc:
+        """A peer; pinned to its stage unless the test is about rebalancing (moves would blur the rest)."""
+        if not rebalance:
+            extra = ("--no-rebalance", *extra)
         proc = Proc(
             [
                 "peer",
@@ -227,7 +230,7 @@ def test_peers_started_on_one_stage_rebalance_two_and_two_and_then_stay(tmp_path
     try:
         names = ["r0", "r1", "r2", "r3"]
         for name in names:
-            swarm.add_peer(name, 0)
+            swarm.add_peer(name, 0, rebalance=True)
         swarm.wait_online(names)
         started = time.monotonic()
 
