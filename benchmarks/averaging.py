@@ -24,12 +24,11 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.plot import line_chart
-from benchmarks.procs import ROOT, Proc, start_coordinator, start_peer, stop_all, wait_online
+from benchmarks.procs import ROOT, Proc, log_dir, start_coordinator, start_peer, stop_all, wait_online
 from benchmarks.results import RESULTS, append_row, replace_section
 from swarm.config import load_config
 
@@ -110,9 +109,7 @@ def last_val(records: list[dict]) -> float | None:
 def run(args: argparse.Namespace) -> str:
     cfg = load_config(args.config)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
-    tmp = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="swarm-averaging-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    print(f"averaging: logs in {tmp}", flush=True)
+    tmp = log_dir(args.log_dir, "averaging")
 
     print(f"reference: swarm train --local, {args.steps} steps", flush=True)
     local_log = tmp / "local.jsonl"

@@ -39,7 +39,6 @@ import os
 import re
 import signal
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from benchmarks.procs import (
     JsonTail,
     Proc,
     listed_names,
+    log_dir,
     start_coordinator,
     start_peer,
     stop_all,
@@ -138,13 +138,12 @@ def run(args: argparse.Namespace) -> str:
     if not 0 <= args.stage < cfg.stages.count:
         raise SystemExit(f"--stage {args.stage}: not a stage of {args.config}")
     acc = cfg.training.accumulation
-    tmp = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="swarm-failover-"))
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = log_dir(args.log_dir, "failover")
     # Validation passes would put a slow step into the windows every eval_every steps: turned off.
     config = tmp / "run.toml"
     config.write_text(re.sub(r"(?m)^eval_every = \d+$", "eval_every = 0", Path(args.config).read_text()))
     load_avg = os.getloadavg()[0]
-    print(f"failover: logs in {tmp}; load average {load_avg:.2f} at start", flush=True)
+    print(f"failover: load average {load_avg:.2f} at start", flush=True)
 
     procs: list[Proc] = []
     peers: dict[str, Proc] = {}

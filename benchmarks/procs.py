@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,3 +153,11 @@ def wait_online(url: str, peers: dict[str, Proc], timeout: float = 120) -> None:
             raise RuntimeError(f"peers not online ({why}):\n{tails}")
         time.sleep(0.5)
     print(f"peers online: {', '.join(peers)}", flush=True)
+
+
+def log_dir(path: str | None, name: str) -> Path:
+    """--log-dir, or a new /tmp/swarm-NAME-* folder; says where the logs go."""
+    tmp = Path(path) if path else Path(tempfile.mkdtemp(prefix=f"swarm-{name}-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    print(f"{name}: logs in {tmp}", flush=True)
+    return tmp

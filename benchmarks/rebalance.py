@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks.procs import Proc, start_coordinator, start_peer, stop_all, wait_online
+from benchmarks.procs import Proc, log_dir, start_coordinator, start_peer, stop_all, wait_online
 from benchmarks.results import append_row
 
 SECTION = "rebalance: peers started on the wrong stages, until the swarm is balanced"
@@ -70,11 +69,9 @@ def run(args: argparse.Namespace) -> str:
     start = [int(x) for x in args.start.split(",")]
     if len(delays) != len(start):
         raise SystemExit(f"--delays has {len(delays)} entries, --start {len(start)}: one of each per peer")
-    tmp = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="swarm-rebalance-"))
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = log_dir(args.log_dir, "rebalance")
     config = tmp / "run.toml"
     config.write_text(Path(args.config).read_text() + f"\n[rebalance]\nperiod_s = {args.period}\n")
-    print(f"rebalance: logs in {tmp}", flush=True)
     procs: list[Proc] = []
     peers: dict[str, Proc] = {}
     try:

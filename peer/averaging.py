@@ -316,9 +316,14 @@ class SwarmUpdater:
         """Take the stage's weights, optimizer state and step from live peers, if there are any;
         returns where the state came from."""
         others = self._state_holders() - {self.opt.dht.peer_id.to_bytes()}
+        digest = weights_digest(self.module)
         if others:
             self.opt.load_state_from_peers()
             self.source = f"peers of stage {self.stage} at step {self.epoch}"
+            if self.missed and weights_digest(self.module) == digest:
+                # Nothing came (the others were still mid-step: hivemind refuses a state older than
+                # its own): stay marked, and try again.
+                return self.source
         self.missed = False
         self.opt.state_averager.state_sharing_priority = self.epoch
         self.check.publish(self.epoch, weights_digest(self.module))

@@ -402,13 +402,23 @@ class StageWorker:
                 self._step()
 
     def _resync(self) -> None:
-        """Replace this replica's state by the stage's (its pending gradients were for old weights)."""
+        """Replace this replica's state by the stage's. Gradients served toward the step the stage is
+        at are kept (they were computed on weights one step away at most); older ones are dropped."""
         with self.lock:
+            before = self.optimizer_steps
+            params = [p for p in self.stage.parameters() if p.grad is not None]
+            kept = [p.grad.clone() for p in params] if self.samples_pending else []
             source = self.updater.load_state()
-            if self.samples_pending:
-                print(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients", flush=True)
-            self.samples_pending, self.pending_ids = 0, []
-            self.stage.zero_grad(set_to_none=False)
+            if kept and self.optimizer_steps == before:
+                with torch.no_grad():
+                    for p, g in zip(params, kept, strict=True):
+                        p.grad.copy_(g)  # hivemind zeroed the buffers when it loaded the state
+                self.updater.served(self.samples_pending)
+            else:
+                if self.samples_pending:
+                    print(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients", flush=True)
+                self.samples_pending, self.pending_ids = 0, []
+                self.stage.zero_grad(set_to_none=False)
         print(f"stage {self.stage_index}: caught up to step {self.optimizer_steps} from {source}", flush=True)
 
     def _step(self, force: bool = False) -> None:
