@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import math
 import time
 from functools import partial
 
@@ -167,6 +168,39 @@ class ReplicaCheck:
         return winner != self.mine[1]
 
 
+class NormExchange:
+    """The gradient norm over the whole model, from every stage's share, through the DHT.
+
+    The reference trainer clips the norm of all parameters together; a stage sees only its own. At
+    each step every replica of stage k stores its averaged gradient's squared norm under
+    `{run}_gradnorm_{step}` (subkey k; the replicas of a stage store the same number) and waits for
+    the other stages' shares, at most `timeout` seconds; then it falls back to its own norm."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, stages: int, stage: int, timeout: float, note=print):
+        self.dht, self.run_id, self.stages, self.stage = dht, run_id, stages, stage
+        self.timeout, self.note = timeout, note
+        self.step = 0  # the global step being taken, set by the updater before each step
+
+    def __call__(self, squared: float) -> float:
+        if self.stages == 1:
+            return math.sqrt(squared)
+        key = f"{self.run_id}_gradnorm_{self.step}".replace(".", "_")
+        self.dht.store(key, subkey=self.stage, value=squared, expiration_time=get_dht_time() + 120)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            found = self.dht.get(key, latest=True)
+            shares = {}
+            if found is not None and isinstance(found.value, dict):
+                shares = {k: v.value for k, v in found.value.items() if isinstance(v.value, float)}
+            if len(shares) >= self.stages and all(k in shares for k in range(self.stages)):
+                return math.sqrt(sum(shares[k] for k in range(self.stages)))
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.stages)) - set(shares))
+                self.note(f"stage {self.stage} step {self.step}: no gradient norm from stage(s) {missing}; own norm")
+                return math.sqrt(squared)
+            time.sleep(0.02)
+
+
 class SwarmUpdater:
     """The peers of one stage average gradients to a global batch through hivemind.Optimizer."""
 
@@ -180,12 +214,13 @@ class SwarmUpdater:
         self.check = ReplicaCheck(dht, f"{self.prefix}_digests", dht.peer_id.to_base58())
         self.last_step: dict = {}
         groups = param_groups(module, t.weight_decay)
+        self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s, note)
         self.opt = hivemind.Optimizer(
             dht=dht,
             run_id=self.prefix,
             target_batch_size=t.global_batch,
             params=groups,
-            optimizer=lambda groups: make_optimizer(groups, run),
+            optimizer=lambda groups: make_optimizer(groups, run, global_norm=self.norms),
             # hivemind steps the scheduler once per epoch: the rate of global step e is lr_at(e).
             scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_at(e, t) / t.lr),
             matchmaking_time=a.matchmaking_time_s,
@@ -268,6 +303,7 @@ class SwarmUpdater:
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.eta_next_epoch = get_dht_time()
         before, control = self.epoch, self.opt.scheduled_grads
+        self.norms.step = before
         started = time.perf_counter()
         self.opt.step(batch_size=pending)
         if self.epoch != before + 1:
@@ -319,7 +355,8 @@ class SwarmUpdater:
         digest = weights_digest(self.module)
         if others:
             self.opt.load_state_from_peers()
-            self.source = f"peers of stage {self.stage} at step {self.epoch}"
+            # At step 0 the stage's state is the seeded init, whoever handed it over.
+            self.source = f"peers of stage {self.stage} at step {self.epoch}" if self.epoch else "the seeded init"
             if self.missed and weights_digest(self.module) == digest:
                 # Nothing came (the others were still mid-step: hivemind refuses a state older than
                 # its own): stay marked, and try again.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
 from swarm.config import RunConfig
@@ -17,27 +20,33 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 class ClippedAdamW(torch.optim.AdamW):
-    """AdamW that clips the gradient norm of its parameters first (`clip` 0: no clipping).
+    """AdamW that clips the gradient norm first (`clip` 0: no clipping), and skips a step whose
+    gradient is not finite.
 
-    Inside hivemind's Optimizer the step runs on the averaged gradient, so a stage clips the
-    global batch's gradient, as the reference trainer does (per stage: the norm over the whole
-    model would need every stage)."""
+    `global_norm`, when given, turns this optimizer's squared gradient norm into the norm over the
+    whole model: a stage of a pipeline then clips by the same coefficient as the reference trainer,
+    which clips all parameters together. Without it, the norm is this optimizer's own."""
 
-    def __init__(self, params, clip: float = 0.0, **kwargs):
+    def __init__(self, params, clip: float = 0.0, global_norm: Callable[[float], float] | None = None, **kwargs):
         super().__init__(params, **kwargs)
-        self.clip = clip
+        self.clip, self.global_norm = clip, global_norm
         self.skipped = 0  # steps not taken because the gradient was not finite
 
     @torch.no_grad()
     def step(self, closure=None):
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.clip if self.clip > 0 else float("inf"))
-        if not torch.isfinite(norm):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        squared = float(torch.stack(torch._foreach_norm(grads)).pow(2).sum()) if grads else 0.0
+        if not math.isfinite(squared):
             self.skipped += 1  # a NaN or Inf would poison the weights and the moments for good
             return None
+        if self.clip > 0:
+            norm = self.global_norm(squared) if self.global_norm else math.sqrt(squared)
+            coef = self.clip / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+            if coef < 1:
+                torch._foreach_mul_(grads, coef)
         return super().step(closure)
 
 
-def make_optimizer(groups, run: RunConfig) -> ClippedAdamW:
+def make_optimizer(groups, run: RunConfig, global_norm: Callable[[float], float] | None = None) -> ClippedAdamW:
     t = run.training
-    return ClippedAdamW(groups, clip=t.grad_clip, lr=t.lr, betas=(t.beta1, t.beta2))
+    return ClippedAdamW(groups, clip=t.grad_clip, global_norm=global_norm, lr=t.lr, betas=(t.beta1, t.beta2))
