@@ -149,7 +149,8 @@ class PeerDaemon:
             return
         source = self.record.stage
         print(f"peer {self.name}: moving from stage {source} to stage {target}", flush=True)
-        self.leave_stage()
+        # Wait for the DHT to take "leaving": a peer checking next must see this move, or it moves too.
+        self.leave_stage(timeout=2)
         self.serve(target)
 
 
