@@ -29,6 +29,7 @@ import collections
 import hashlib
 import logging
 import math
+import threading
 import time
 from functools import partial
 
@@ -38,7 +39,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import get_dht_time
 
 from swarm.config import RunConfig
-from swarm.optim import make_optimizer, param_groups
+from swarm.optim import make_optimizer, param_groups, primed
 from swarm.records import TTL_S
 from swarm.schedule import lr_at
 
@@ -220,7 +221,7 @@ class SwarmUpdater:
             run_id=self.prefix,
             target_batch_size=t.global_batch,
             params=groups,
-            optimizer=lambda groups: make_optimizer(groups, run, global_norm=self.norms),
+            optimizer=lambda groups: primed(make_optimizer(groups, run, global_norm=self.norms)),
             # hivemind steps the scheduler once per epoch: the rate of global step e is lr_at(e).
             scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_at(e, t) / t.lr),
             matchmaking_time=a.matchmaking_time_s,
@@ -371,8 +372,29 @@ class SwarmUpdater:
         found = self.opt.dht.get(f"{self.prefix}_state_averager.all_averagers", latest=True)
         return set(found.value) if found is not None and isinstance(found.value, dict) else set()
 
-    def close(self) -> None:
-        self.opt.shutdown()
+    def close(self, timeout: float = 3.0) -> None:
+        """Say goodbye to the stage's peers and stop the averagers, in at most about `timeout` s.
+
+        hivemind's `Optimizer.shutdown` first waits for a running all-reduce (up to
+        `averaging_timeout`), then up to `shutdown_timeout` per averager: too long for a volunteer's
+        Ctrl-C. It runs in a daemon thread here; an averager process still alive after `timeout` is
+        killed (its partners lose its part of a round, which they detect and repair). When the DHT
+        node is gone already (a signal to the whole process group, as Ctrl-C sends, also reaches
+        it and its p2pd), there is nobody to say goodbye through: the tracker is stopped and the
+        averagers are killed."""
+        if self.opt.dht.is_alive():
+            goodbye = threading.Thread(target=self.opt.shutdown, name="optimizer-shutdown", daemon=True)
+            goodbye.start()
+            goodbye.join(timeout)
+        else:
+            try:
+                self.opt.tracker.shutdown(timeout=0.5)
+            except (OSError, EOFError):  # its last report goes through the DHT's pipe, now closed
+                pass
+        for averager in (self.opt.grad_averager, self.opt.state_averager):
+            if averager is not None and averager.is_alive():
+                averager.kill()
+                averager.join(1)
 
 
 Updater = LocalUpdater | SwarmUpdater

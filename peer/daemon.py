@@ -13,7 +13,9 @@ refused, stop the DHT node and its p2pd, exit 0.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import random
 import signal
 import socket
@@ -35,6 +37,10 @@ from swarm.rebalance import should_move
 from swarm.records import REFRESH_S, PeerRecord, announce_peer, make_dht, read_swarm, shutdown_dht
 
 log = logging.getLogger("swarm.peer")
+
+# Leaving (the drain, the stage's optimizer, the DHT node) is bounded piece by piece; should any
+# of it hang anyway, the process dumps every thread's stack to stderr and exits (code 1) after this.
+EXIT_DEADLINE_S = 20.0
 
 
 def announce_address(host: str, port: int) -> str:
@@ -82,7 +88,7 @@ class PeerDaemon:
 
     def serve(self, stage: int) -> None:
         """Join `stage`: announce joining, measure, take the stage's current weights, serve, go online."""
-        self.announce(stage=stage, state="joining", address="")
+        self.announce(stage=stage, state="joining", address="", moving_to=None)
         print(f"peer {self.name}: joining stage {stage} of run {self.run.run_id!r}", flush=True)
         self.measured = cached_throughput(self.run, stage, self.device)
         if self.delay_per_sample:  # a stand-in for a slower device is slower from the start
@@ -118,13 +124,14 @@ class PeerDaemon:
             optimizer_steps=self.worker.optimizer_steps,
         )
 
-    def leave_stage(self, timeout: float = 0) -> None:
-        """Announce leaving, let in-flight requests finish (new ones are refused), stop the worker."""
+    def leave_stage(self, timeout: float = 0, moving_to: int | None = None) -> None:
+        """Announce leaving (for stage `moving_to`, if moving), let in-flight requests finish (new
+        ones are refused), stop the worker."""
         # Same time to live as any refresh: the DHT keeps, per subkey, the value that expires last,
         # so a shorter-lived "leaving" would be ignored in favour of the last "online". No wait for
         # the store (timeout 0): the DHT process goes on with it while the requests drain.
         started = time.monotonic()
-        self.announce(timeout=timeout, state="leaving")
+        self.announce(timeout=timeout, state="leaving", moving_to=moving_to)
         announced = time.monotonic()
         if self.server is not None:
             self.server.stop(grace=3).wait(5)
@@ -149,9 +156,20 @@ class PeerDaemon:
             return
         source = self.record.stage
         print(f"peer {self.name}: moving from stage {source} to stage {target}", flush=True)
-        # Wait for the DHT to take "leaving": a peer checking next must see this move, or it moves too.
-        self.leave_stage(timeout=2)
+        # Wait for the DHT to take "leaving" (with the target): a peer checking next must count this
+        # peer on its new stage, or it moves too.
+        self.leave_stage(timeout=2, moving_to=target)
         self.serve(target)
+
+
+def exit_now(code: int) -> None:
+    """End the process once `run_peer` has stopped everything it started (the worker, the
+    averagers, the DHT node and its p2pd). hivemind leaves threads of its own behind (its progress
+    tracker's loop, its executors' workers) that the interpreter would join at exit, and some of
+    them wait on a DHT that is gone: a normal exit can hang there for good."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_peer(
@@ -208,6 +226,7 @@ def run_peer(
         print(f"peer {peer.name}: leaving", flush=True)
         return 0
     finally:
+        faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)
         worker = peer.worker
         peer.leave_stage()
         shutdown_dht(dht)

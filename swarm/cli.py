@@ -79,9 +79,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if args.coordinator:
         if args.config:
             raise ConfigError("swarm peer: give --coordinator (join a run) or --config (serve by hand), not both")
-        from peer.daemon import run_peer
+        from peer.daemon import exit_now, run_peer
 
-        return run_peer(
+        code = run_peer(
             args.coordinator,
             args.stage,
             args.host,
@@ -93,6 +93,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             step_log=args.log_steps,
             rebalance=not args.no_rebalance,
         )
+        exit_now(code)
     if not args.config or args.stage is None:
         raise ConfigError("swarm peer: give --coordinator URL, or --config C with --stage K")
     from peer.run import serve_stage

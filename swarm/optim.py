@@ -50,3 +50,30 @@ class ClippedAdamW(torch.optim.AdamW):
 def make_optimizer(groups, run: RunConfig, global_norm: Callable[[float], float] | None = None) -> ClippedAdamW:
     t = run.training
     return ClippedAdamW(groups, clip=t.grad_clip, global_norm=global_norm, lr=t.lr, betas=(t.beta1, t.beta2))
+
+
+def primed(opt: torch.optim.AdamW) -> torch.optim.AdamW:
+    """Give every parameter its AdamW state (zero moments, step 0), as the first step would.
+
+    hivemind's state averager needs the optimizer's state tensors to exist (it shares them with
+    late joiners), and when they do not, it makes them with a step on zero gradients: that moves
+    Adam's step count to 1 (every later bias correction is then one step off, and the first real
+    updates come out about a quarter smaller), decays the weights once, and runs the clipping.
+    Here the state comes from AdamW's own step at a learning rate and weight decay of 0, which
+    leaves the weights as they are, and the step count goes back to 0: the next step is then
+    exactly a fresh AdamW's first step."""
+    saved = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    for g in opt.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    torch.optim.AdamW.step(opt)  # AdamW's step, without the clipping of ClippedAdamW
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+    for g, (lr, wd) in zip(opt.param_groups, saved, strict=True):
+        g["lr"], g["weight_decay"] = lr, wd
+    for state in opt.state.values():
+        state["step"].zero_()
+    return opt

@@ -68,10 +68,34 @@ def move_for(throughputs: list[float], current: list[int], me: int, num_stages: 
     return target[me] if clearly_better(totals(target), totals(current), margin) else None
 
 
+def placements(view: SwarmView) -> list[tuple[str, int, float]]:
+    """(peer id, stage, throughput) of every peer that serves or is about to: the online ones, and
+    those in the middle of a move, counted on the stage they are moving to (leaving with
+    `moving_to`, then joining with the throughput they announced before). Without the movers, a
+    peer checking during someone's move sees the target stage still short and moves as well."""
+    best: dict[str, tuple[int, int, float]] = {}  # peer id -> (rank, stage, throughput)
+    for records in view.stages:
+        for p in records:
+            if p.state == "online":
+                rank, stage = 0, p.stage
+            elif p.state == "joining" and p.throughput > 0:
+                rank, stage = 1, p.stage
+            elif p.state == "leaving" and p.moving_to is not None and p.moving_to < len(view.stages):
+                rank, stage = 2, p.moving_to
+            else:
+                continue
+            if p.peer_id not in best or rank < best[p.peer_id][0]:
+                best[p.peer_id] = (rank, stage, p.throughput)
+    return sorted(((pid, stage, x) for pid, (_, stage, x) in best.items()), key=lambda t: (t[1], t[0]))
+
+
 def should_move(view: SwarmView, me: PeerRecord, margin: float = 0.1) -> int | None:
-    """`move_for` on what the DHT says: the online peers, each with its announced throughput."""
-    peers = [p for k in range(len(view.stages)) for p in sorted(view.online(k), key=lambda p: p.peer_id)]
-    index = next((i for i, p in enumerate(peers) if p.peer_id == me.peer_id and p.stage == me.stage), None)
-    if index is None:
+    """`move_for` on what the DHT says: the peers that serve or are moving (`placements`), each
+    with its announced throughput."""
+    if not any(p.peer_id == me.peer_id and p.state == "online" for p in view.online(me.stage)):
         return None  # not online where we think we are: wait for the next refresh
-    return move_for([p.throughput for p in peers], [p.stage for p in peers], index, len(view.stages), margin)
+    peers = placements(view)
+    index = next((i for i, (pid, _, _) in enumerate(peers) if pid == me.peer_id), None)
+    if index is None or peers[index][1] != me.stage:
+        return None
+    return move_for([x for _, _, x in peers], [k for _, k, _ in peers], index, len(view.stages), margin)

@@ -45,6 +45,7 @@ class PeerRecord(BaseModel):
     samples_served: int = Field(0, ge=0)
     optimizer_steps: int = Field(0, ge=0)
     weights_from: str = ""  # where the stage's state came from: live peers, the seeded init, a checkpoint
+    moving_to: int | None = Field(None, ge=0)  # set while leaving this stage for another one
 
 
 class TrainerRecord(BaseModel):

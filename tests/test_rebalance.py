@@ -84,3 +84,18 @@ def test_should_move_reads_the_swarm_view():
     assert targets.count(1) == 2 and targets.count(None) == 2  # every peer sees the same plan
     joining = record("e", 0, 1.0, state="joining")
     assert should_move(view, joining) is None  # not online yet: no opinion
+
+
+def test_a_peer_in_the_middle_of_a_move_counts_on_its_new_stage():
+    stay = [record(n, 0, 1.0) for n in "bc"]
+    leaving = record("a", 0, 1.0, state="leaving").model_copy(update={"moving_to": 1})
+    # While "a" drains on stage 0, and then while it joins stage 1, nobody else moves to stage 1
+    # (both records show up together until the old one expires; online wins over both).
+    for stage1 in ([], [record("a", 1, 1.0, state="joining")], [record("a", 1, 1.0)]):
+        view = SwarmView(stages=[[*stay, leaving], stage1], trainers=[], read_at=0.0)
+        targets = [should_move(view, p) for p in stay]
+        assert targets == [None, None], (stage1, targets)
+    # A plain leave (no target) is not counted anywhere: the others fill the gap.
+    gone = record("a", 1, 1.0, state="leaving")
+    view = SwarmView(stages=[stay, [gone]], trainers=[], read_at=0.0)
+    assert [should_move(view, p) for p in stay].count(1) == 1
