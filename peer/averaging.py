@@ -205,6 +205,8 @@ class NormExchange:
 class SwarmUpdater:
     """The peers of one stage average gradients to a global batch through hivemind.Optimizer."""
 
+    MAX_FAILED_LOADS = 3
+
     def __init__(self, run: RunConfig, stage: int, module: torch.nn.Module, dht: hivemind.DHT, note=print):
         self.run, self.stage, self.module, self.note = run, stage, module, note
         t, a = run.training, run.averaging
@@ -212,6 +214,7 @@ class SwarmUpdater:
         self.dropped = 0  # contributions left out of the average because they were not finite
         self.source = "the seeded init"
         self.missed = False  # the last all-reduce left this replica out
+        self.failed_loads = 0  # loads in a row that brought nothing new while missed
         self.check = ReplicaCheck(dht, f"{self.prefix}_digests", dht.peer_id.to_base58())
         self.last_step: dict = {}
         groups = param_groups(module, t.weight_decay)
@@ -327,14 +330,18 @@ class SwarmUpdater:
             self.note(f"stage {self.stage} step {before}: the averaged gradient was not finite; not applied")
         self.last_step = {"step": before, "samples": pending, "group": group, "s": time.perf_counter() - started}
         log.info("stage %d step %d: %d samples, averaged in a group of %d", self.stage, before, pending, group)
-        if group == 0 or (group < 2 and pending < t.global_batch):
-            # This replica applied a partial gradient: it no longer matches the others. Offer its
-            # state last, and load theirs.
+        if group == 0:
+            # The others applied a step this replica did not: it must load their state.
             self.missed = True
             self.opt.state_averager.state_sharing_priority = self.epoch - 0.5
-            self.note(f"stage {self.stage} step {before}: averaged alone with {pending} samples; resyncing")
-        else:
-            self.check.publish(self.epoch, weights_digest(self.module))
+            return pending
+        if group < 2 and pending < t.global_batch:
+            # A partial gradient: the round failed. The others may have averaged among themselves
+            # (then this replica is the minority) or failed alike (each applied its own part: the
+            # replicas now disagree evenly). The digests settle it either way: the majority, or on
+            # a tie the smallest peer id, keeps its state and the rest load it.
+            self.note(f"stage {self.stage} step {before}: averaged alone with {pending} samples")
+        self.check.publish(self.epoch, weights_digest(self.module))
         return pending
 
     def _scale(self, factor: float) -> None:
@@ -360,9 +367,12 @@ class SwarmUpdater:
             self.source = f"peers of stage {self.stage} at step {self.epoch}" if self.epoch else "the seeded init"
             if self.missed and weights_digest(self.module) == digest:
                 # Nothing came (the others were still mid-step: hivemind refuses a state older than
-                # its own): stay marked, and try again.
-                return self.source
-        self.missed = False
+                # its own): stay marked, and try again, a few times.
+                self.failed_loads += 1
+                if self.failed_loads < self.MAX_FAILED_LOADS:
+                    return self.source
+                self.note(f"stage {self.stage} step {self.epoch}: no peer offers a newer state; keeping this one")
+        self.missed, self.failed_loads = False, 0
         self.opt.state_averager.state_sharing_priority = self.epoch
         self.check.publish(self.epoch, weights_digest(self.module))
         return self.source
