@@ -26,6 +26,7 @@ trainer has moved on (a request for a later step) and the count still falls shor
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import math
@@ -397,10 +398,9 @@ class SwarmUpdater:
             goodbye.start()
             goodbye.join(timeout)
         else:
-            try:
+            # its last report goes through the DHT's pipe, now closed
+            with contextlib.suppress(OSError, EOFError):
                 self.opt.tracker.shutdown(timeout=0.5)
-            except (OSError, EOFError):  # its last report goes through the DHT's pipe, now closed
-                pass
         for averager in (self.opt.grad_averager, self.opt.state_averager):
             if averager is not None and averager.is_alive():
                 averager.kill()

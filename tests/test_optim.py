@@ -28,10 +28,11 @@ def test_a_primed_optimizer_steps_exactly_as_a_fresh_one():
     fresh, ready = model(), model()
     opt = primed(make_optimizer(param_groups(ready, 0.1), RUN))
     assert opt.state and all(float(s["step"]) == 0 for s in opt.state.values())  # hivemind sees a state
-    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), ready.parameters()))  # no decay, no move
+    # no decay, no move
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), ready.parameters(), strict=True))
     train(fresh, make_optimizer(param_groups(fresh, 0.1), RUN))
     train(ready, opt)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), ready.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), ready.parameters(), strict=True))
 
 
 def test_clipping_matches_torch_and_a_non_finite_gradient_is_skipped():
@@ -46,8 +47,9 @@ def test_clipping_matches_torch_and_a_non_finite_gradient_is_skipped():
     opt.step()
     ref.step()
     # clipped in place, by the same coefficient as torch's
-    assert all(torch.allclose(a.grad, b.grad, rtol=1e-5) for a, b in zip(ours.parameters(), theirs.parameters()))
-    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(ours.parameters(), theirs.parameters()))
+    pairs = list(zip(ours.parameters(), theirs.parameters(), strict=True))
+    assert all(torch.allclose(a.grad, b.grad, rtol=1e-5) for a, b in pairs)
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in pairs)
     before = copy.deepcopy(ours.state_dict())
     opt.zero_grad()
     ours[0].weight.grad = torch.full_like(ours[0].weight, float("nan"))
