@@ -8,6 +8,7 @@ import sys
 
 BENCHMARKS = {
     "averaging": "benchmarks.averaging",
+    "coordinator": "benchmarks.coordinator",
     "failover": "benchmarks.failover",
     "local": "benchmarks.local",
     "pipeline": "benchmarks.pipeline",

@@ -45,10 +45,12 @@ class Proc:
 
 
 def start_coordinator(config: Path, log: Path, timeout: float = 60) -> tuple[Proc, str]:
+    """A coordinator on a free port, its state (history, DHT identity) next to its log."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = Proc(["coordinator", "--config", str(config), "--port", str(port), "--dht-port", "0"], log)
+    state = ["--state-dir", str(log.with_suffix(".state"))]
+    proc = Proc(["coordinator", "--config", str(config), "--port", str(port), "--dht-port", "0", *state], log)
     deadline = time.monotonic() + timeout
     while not re.search(r"coordinator of run '\S+' at http://\S+", proc.output()):
         if proc.popen.poll() is not None or time.monotonic() > deadline:

@@ -1,21 +1,32 @@
 """The coordinator's REST API: how to join the run, and what the swarm looks like now.
 
-Every response is built from the latest view in a ViewHolder (see coordinator.view); no handler
-touches the DHT, so a slow or partitioned DHT never stalls the API.
+Every response is built from the latest view in a ViewHolder (see coordinator.view) or from the
+run's History (coordinator.history, SQLite); no handler touches the DHT, so a slow or partitioned
+DHT never stalls the API.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
+from coordinator.api_control import control_router
+from coordinator.api_history import history_router
+from coordinator.control import OperatorControl
+from coordinator.history import History, point_of
+from coordinator.metrics import metrics_router
 from coordinator.view import ViewHolder
 from swarm import __version__
 from swarm.config import RunConfig
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
+
+STATIC_DIR = Path(__file__).parent / "static"  # the dashboard: index.html, app.js, chart.js, style.css
 
 
 class JoinInfo(BaseModel):
@@ -45,6 +56,11 @@ class StateResponse(BaseModel):
     num_stages: int
     stages: list[StageState]
     trainers: list[TrainerRecord]
+    global_step: int = Field(description="most steps of any trainer; with no trainer, of any online peer; else 0")
+    loss: float | None = Field(description="the last loss of the trainer with the most steps")
+    val_loss: float | None = Field(description="the last validation loss of that trainer")
+    tokens_per_s: float = Field(description="all trainers together")
+    paused: bool = Field(description="whether the operator paused training (the control record as last read)")
     read_at: float = Field(description="unix time the view was read from the DHT")
     age_s: float = Field(description="seconds since read_at")
 
@@ -53,7 +69,7 @@ class Health(BaseModel):
     ok: bool
 
 
-def build_state(run: RunConfig, view: SwarmView, now: float | None = None) -> StateResponse:
+def build_state(run: RunConfig, view: SwarmView, now: float | None = None, paused: bool = False) -> StateResponse:
     throughputs = view.stage_throughputs()
     lowest = min(throughputs) if throughputs else 0.0
     stages = []
@@ -70,17 +86,31 @@ def build_state(run: RunConfig, view: SwarmView, now: float | None = None) -> St
             )
         )
     now = time.time() if now is None else now
+    progress = point_of(view)
     return StateResponse(
         run_id=run.run_id,
         num_stages=run.stages.count,
         stages=stages,
         trainers=view.trainers,
+        global_step=progress.step,
+        loss=progress.loss,
+        val_loss=progress.val_loss,
+        tokens_per_s=progress.tokens_per_s,
+        paused=paused,
         read_at=view.read_at,
         age_s=max(0.0, now - view.read_at),
     )
 
 
-def create_app(run: RunConfig, view_holder: ViewHolder, join_info: JoinInfo) -> FastAPI:
+def create_app(
+    run: RunConfig,
+    view_holder: ViewHolder,
+    join_info: JoinInfo,
+    control: OperatorControl | None = None,
+    history: History | None = None,
+) -> FastAPI:
+    """The coordinator's HTTP app; without a `history` store it keeps the history in memory only."""
+    history = history if history is not None else History(Path(":memory:"))
     app = FastAPI(
         title=f"swarm coordinator: run {run.run_id}",
         version=__version__,
@@ -93,7 +123,19 @@ def create_app(run: RunConfig, view_holder: ViewHolder, join_info: JoinInfo) -> 
 
     @app.get("/api/v1/state", response_model=StateResponse, summary="The swarm as last read from the DHT")
     def state() -> StateResponse:
-        return build_state(run, view_holder.get())
+        return build_state(run, view_holder.get(), paused=view_holder.control().paused)
+
+    app.include_router(history_router(history))  # /api/v1/history, /api/v1/events (coordinator.api_history)
+    app.include_router(metrics_router(state))  # /metrics (coordinator.metrics)
+
+    app.include_router(control_router(view_holder, control))  # operator-only (coordinator.api_control)
+
+    # The live dashboard: static files shipped in the package, polling the API above.
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
 
     @app.get("/healthz", response_model=Health, summary="Liveness")
     def healthz() -> Health:

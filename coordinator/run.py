@@ -1,5 +1,11 @@
 """`swarm coordinator`: the run's first DHT node, a background reader of the swarm, and the REST API.
 
+What outlives the process lies in the state directory: the DHT identity (`dht.key`), the peers'
+DHT addresses last seen (`peers.json`), the operator's pause (`control.json`) and the run's
+history of progress points and events (`history.sqlite`, see coordinator.history). A coordinator
+started again on the same ports with the same state directory has the same multiaddrs and finds
+the running swarm at once; training never needed it.
+
 Shutdown: SIGTERM or SIGINT sets an event the main thread waits on; it then stops uvicorn (which
 runs in a thread of its own, so it installs no signal handlers of its own), stops the reader
 thread and shuts the DHT down (its child process and the p2pd daemon with it), and returns 0.
@@ -10,14 +16,21 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
+import hivemind
 import uvicorn
+from hivemind.p2p import P2PDaemonError
 
 from coordinator.app import JoinInfo, create_app
+from coordinator.control import ControlPublisher, OperatorControl
+from coordinator.history import History, HistoryRecorder
+from coordinator.known_peers import KnownPeers
 from coordinator.view import SwarmReader, ViewHolder, empty_view
-from swarm.config import RunConfig
+from swarm.config import ConfigError, RunConfig
 from swarm.records import make_dht, shutdown_dht, visible_maddrs
 
 log = logging.getLogger("coordinator")
@@ -46,17 +59,50 @@ def _bound_port(server: uvicorn.Server, default: int) -> int:
     return default
 
 
-def serve_coordinator(run: RunConfig, host: str, port: int, dht_port: int) -> int:
+def start_dht(host: str, dht_port: int, state_dir: Path, known: KnownPeers) -> hivemind.DHT:
+    """The coordinator's DHT node, with the identity kept in `state_dir/dht.key` (so, on the same
+    port, the same multiaddrs as before a restart), bootstrapped from the peers it saw last."""
+    identity = state_dir / "dht.key"
+    initial = known.load()
+    if initial:
+        try:
+            return make_dht(initial, host, dht_port, identity_path=identity)
+        except P2PDaemonError as err:  # all of them gone: this is a new swarm, or a new start of it
+            print(f"coordinator: none of the {len(initial)} saved peers answers ({err}); starting afresh", flush=True)
+    return make_dht(None, host, dht_port, identity_path=identity)
+
+
+def open_state_dir(path: Path) -> Path:
+    """Create the coordinator's state folder when missing and check that it takes files; a clear
+    error (ConfigError) when it cannot be created or written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ConfigError(f"--state-dir {path}: cannot keep the coordinator's state there ({err})") from None
+    return path
+
+
+def serve_coordinator(
+    run: RunConfig, host: str, port: int, dht_port: int, state_dir: Path, token: str | None = None
+) -> int:
     # Signals first arrive here; until the server is up, a signal just ends the start-up early.
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         stop.set()
 
+    open_state_dir(state_dir)
+    history = History(state_dir / "history.sqlite")
+    recorder = HistoryRecorder(history)
+    known = KnownPeers(state_dir / "peers.json")
     # The DHT's process is forked before our handlers are installed, so it keeps the default
     # SIGTERM action (a signal to the whole process group ends it directly).
-    dht = make_dht(None, host, dht_port)
+    dht = start_dht(host, dht_port, state_dir, known)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    control = OperatorControl(token, state_dir / "control.json", on_event=recorder.control)
+    publisher = ControlPublisher(dht, run.run_id, control)
     reader: SwarmReader | None = None
     server: uvicorn.Server | None = None
     server_thread: threading.Thread | None = None
@@ -64,10 +110,12 @@ def serve_coordinator(run: RunConfig, host: str, port: int, dht_port: int) -> in
     try:
         maddrs = visible_maddrs(dht)
         holder = ViewHolder(empty_view(run.stages.count))
+        holder.listen(recorder)  # events and progress points into the history
         reader = SwarmReader(dht, run.run_id, run.stages.count, holder, interval=READ_EVERY_S)
         reader.start()
+        publisher.start()
 
-        app = create_app(run, holder, JoinInfo(initial_peers=maddrs))
+        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         # Off the main thread uvicorn leaves signal handling to us (no capture and re-raise).
         server_thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -96,6 +144,7 @@ def serve_coordinator(run: RunConfig, host: str, port: int, dht_port: int) -> in
                 print("error: the HTTP server stopped unexpectedly", file=sys.stderr, flush=True)
                 code = 1
                 break
+            known.update(holder.get())
             if time.monotonic() >= next_status:
                 print(_status(run, holder), file=sys.stderr, flush=True)
                 next_status = time.monotonic() + STATUS_EVERY_S
@@ -109,6 +158,8 @@ def serve_coordinator(run: RunConfig, host: str, port: int, dht_port: int) -> in
                 server_thread.join(1.0)
         if reader is not None:
             reader.stop(timeout=2.0)
+        history.close()
+        publisher.stop(timeout=2.0)
         shutdown_dht(dht)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -1,7 +1,9 @@
 """The coordinator's picture of the swarm: refreshed from the DHT in the background.
 
 HTTP requests are answered from the latest view only; they never wait on the DHT. A reader thread
-re-reads the run's records every `interval` seconds and swaps the new view in under a lock.
+re-reads the run's records (and the operator's control record) every `interval` seconds and swaps
+the new view in under a lock, then tells the holder's listeners (the history recorder) of the change
+from the previous view to the new one.
 """
 
 from __future__ import annotations
@@ -9,12 +11,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import hivemind
 
-from swarm.records import SwarmView, read_swarm
+from swarm.records import ControlState, SwarmView, read_control, read_swarm
 
 log = logging.getLogger("coordinator.view")
+
+# Told of every new view, with the one it replaces; runs on the reader thread.
+ViewListener = Callable[[SwarmView, SwarmView], None]
 
 
 def empty_view(num_stages: int) -> SwarmView:
@@ -28,6 +34,8 @@ class ViewHolder:
     def __init__(self, view: SwarmView):
         self._lock = threading.Lock()
         self._view = view
+        self._control = ControlState()
+        self._listeners: list[ViewListener] = []
         self.reads = 0  # successful reads since start
         self.failures = 0  # reads that raised
 
@@ -35,10 +43,25 @@ class ViewHolder:
         with self._lock:
             return self._view
 
-    def set(self, view: SwarmView) -> None:
+    def control(self) -> ControlState:
+        """The run's control record as last read from the DHT (not paused until one is read)."""
         with self._lock:
-            self._view = view
+            return self._control
+
+    def listen(self, listener: ViewListener) -> None:
+        self._listeners.append(listener)
+
+    def set(self, view: SwarmView, control: ControlState | None = None) -> None:
+        with self._lock:
+            old, self._view = self._view, view
+            if control is not None:
+                self._control = control
             self.reads += 1
+        for listener in self._listeners:
+            try:
+                listener(old, view)
+            except Exception:  # a listener's bug must not stop the view from refreshing
+                log.exception("a listener of the swarm view failed")
 
     def failed(self) -> None:
         with self._lock:
@@ -61,13 +84,14 @@ class SwarmReader(threading.Thread):
             started = time.monotonic()
             try:
                 view = read_swarm(self.dht, self.run_id, self.num_stages)
+                control = read_control(self.dht, self.run_id)
             except Exception as err:  # noqa: BLE001 (keep serving the last good view)
                 if self._stop_event.is_set():
                     return
                 self.holder.failed()
                 log.warning("reading the swarm from the DHT failed: %s", err)
             else:
-                self.holder.set(view)
+                self.holder.set(view, control)
             self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def stop(self, timeout: float = 3.0) -> None:

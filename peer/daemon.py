@@ -7,8 +7,9 @@ weights, optimizer state and step from live peers of that stage through hivemind
 the seeded init: the record's `weights_from` says which), start the stage worker, announce
 `online` and keep refreshing the record.
 
-Leave (SIGTERM / SIGINT): announce `leaving`, let in-flight requests finish while new ones are
-refused, stop the DHT node and its p2pd, exit 0.
+Leave (SIGTERM / SIGINT, or the operator removed this peer through the coordinator): announce
+`leaving`, let in-flight requests finish while new ones are refused, stop the DHT node and its
+p2pd, exit 0.
 """
 
 from __future__ import annotations
@@ -34,7 +35,16 @@ from swarm.device import resolve_device
 from swarm.join import fetch_join
 from swarm.placement import pick_stage
 from swarm.rebalance import should_move
-from swarm.records import REFRESH_S, PeerRecord, announce_peer, make_dht, read_swarm, shutdown_dht
+from swarm.records import (
+    REFRESH_S,
+    PeerRecord,
+    announce_peer,
+    make_dht,
+    read_removed,
+    read_swarm,
+    shutdown_dht,
+    visible_maddrs,
+)
 
 log = logging.getLogger("swarm.peer")
 
@@ -74,6 +84,7 @@ class PeerDaemon:
             device=str(device),
             state="joining",
             started=time.time(),
+            dht_addrs=visible_maddrs(dht),
         )
         self.server = self.worker = None
         self.measured = 0.0
@@ -123,6 +134,10 @@ class PeerDaemon:
             samples_served=self.worker.samples_served,
             optimizer_steps=self.worker.optimizer_steps,
         )
+
+    def removed(self) -> bool:
+        """Whether the operator removed this peer from the run (through the coordinator)."""
+        return self.record.peer_id in read_removed(self.dht, self.run.run_id)
 
     def leave_stage(self, timeout: float = 0, moving_to: int | None = None) -> None:
         """Announce leaving (for stage `moving_to`, if moving), let in-flight requests finish (new
@@ -210,6 +225,9 @@ def run_peer(
 
         check_at, last_status = next_check(), time.monotonic()
         while not stop.wait(REFRESH_S):
+            if peer.removed():
+                print(f"peer {peer.name}: removed from the run by the operator", flush=True)
+                break  # and leave as on SIGTERM
             peer.refresh()
             if rebalance and time.monotonic() >= check_at:
                 peer.rebalance()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -106,7 +107,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.run import serve_coordinator
 
     run = load_config(args.config)
-    return serve_coordinator(run, host=args.host, port=args.port, dht_port=args.dht_port)
+    state_dir = args.state_dir or Path("swarm-state") / run.run_id
+    token = args.token or os.environ.get("SWARM_TOKEN") or None
+    return serve_coordinator(
+        run, host=args.host, port=args.port, dht_port=args.dht_port, state_dir=state_dir, token=token
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--config", required=True, help="run configuration (TOML)")
     coord.add_argument("--host", default="127.0.0.1", help="address for HTTP and the DHT (default 127.0.0.1)")
     coord.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
-    coord.add_argument("--dht-port", type=port_number, default=0, help="DHT port (default: any free port)")
+    coord.add_argument(
+        "--dht-port", type=port_number, default=0, help="DHT port (default: any free port; fix it to restart in place)"
+    )
+    coord.add_argument(
+        "--state-dir", type=Path, help="where the coordinator keeps what outlives it (default: swarm-state/RUN_ID)"
+    )
+    coord.add_argument(
+        "--token",
+        help="operator token for the control endpoints (default: $SWARM_TOKEN; without one, control is disabled)",
+    )
     coord.set_defaults(func=cmd_coordinator)
     return parser
 

@@ -4,6 +4,11 @@ Per run and stage, one record per peer under the key `{run_id}/stage/{k}` with s
 DHT peer id; trainers under `{run_id}/trainers`. Records carry an expiration time and are
 refreshed every `REFRESH_S`, so a peer that dies vanishes by itself within `TTL_S`.
 
+The operator's word, stored by the coordinator: `{run_id}/control` (is the run paused?), re-stored
+every `CONTROL_REFRESH_S` with a time to live of `CONTROL_TTL_S`, so the pause of a coordinator that
+died lapses by itself and training goes on; and `{run_id}/removed` with subkey = the peer id of each
+peer the operator removed from the run.
+
 Reading is forgiving: a value that does not parse as a record is skipped (and logged), so one
 misbehaving peer cannot break everybody's view of the swarm.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Literal
 
 import hivemind
@@ -24,6 +30,9 @@ log = logging.getLogger("swarm.records")
 
 REFRESH_S = 4.0  # how often a live peer or trainer re-announces itself
 TTL_S = 12.0  # a record not refreshed for this long expires (a killed peer is gone within it)
+CONTROL_REFRESH_S = 5.0  # how often the coordinator re-stores the control record
+CONTROL_TTL_S = 60.0  # a pause outlives its coordinator by at most this long
+REMOVED_TTL_S = 600.0  # a removed peer sees its removal at its next refresh; this is ample
 
 PeerState = Literal["joining", "online", "leaving"]
 
@@ -46,6 +55,7 @@ class PeerRecord(BaseModel):
     optimizer_steps: int = Field(0, ge=0)
     weights_from: str = ""  # where the stage's state came from: live peers, the seeded init, a checkpoint
     moving_to: int | None = Field(None, ge=0)  # set while leaving this stage for another one
+    dht_addrs: list[str] = Field(default_factory=list)  # its DHT node's multiaddrs: a restarted coordinator's way in
 
 
 class TrainerRecord(BaseModel):
@@ -56,7 +66,27 @@ class TrainerRecord(BaseModel):
     samples: int = Field(0, ge=0)
     steps: int = Field(0, ge=0)
     loss: float | None = None
+    val_loss: float | None = None  # the last one measured
     tokens_per_s: float = Field(0.0, ge=0)
+    failures: int = Field(0, ge=0)  # calls that failed and were retried on another peer
+    bans: int = Field(0, ge=0)  # times a failing peer was banned
+    wire_bytes: int = Field(0, ge=0)  # bytes sent and received by its stage calls
+    updated: float = 0.0
+
+
+class ControlState(BaseModel):
+    """What the operator decided for the whole run (no record at all reads as running)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    paused: bool = False
+    updated: float = 0.0
+
+
+class RemovedRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    peer_id: str
     updated: float = 0.0
 
 
@@ -68,13 +98,36 @@ def trainers_key(run_id: str) -> str:
     return f"{run_id}/trainers"
 
 
+def control_key(run_id: str) -> str:
+    return f"{run_id}/control"
+
+
+def removed_key(run_id: str) -> str:
+    return f"{run_id}/removed"
+
+
+CONTROL_SUBKEY = "coordinator"  # one writer: whichever coordinator of the run stored last
+
+
 def make_dht(
-    initial_peers: list[str] | None = None, host: str = "127.0.0.1", port: int = 0, client_mode: bool = False
+    initial_peers: list[str] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    client_mode: bool = False,
+    identity_path: Path | None = None,
 ) -> hivemind.DHT:
-    """A DHT node listening on HOST:PORT (hivemind's default is loopback only)."""
+    """A DHT node listening on HOST:PORT (hivemind's default is loopback only). With `identity_path`
+    (a private key file, created when missing) the node keeps its peer id across restarts, so on
+    the same port it keeps its multiaddrs too."""
     maddrs = [f"/ip4/{host}/tcp/{port}"]
+    identity = {"identity_path": str(identity_path)} if identity_path is not None else {}
     return hivemind.DHT(
-        initial_peers=initial_peers or None, host_maddrs=maddrs, client_mode=client_mode, start=True, await_ready=True
+        initial_peers=initial_peers or None,
+        host_maddrs=maddrs,
+        client_mode=client_mode,
+        start=True,
+        await_ready=True,
+        **identity,
     )
 
 
@@ -102,6 +155,18 @@ def announce_trainer(
     dht: hivemind.DHT, run_id: str, record: TrainerRecord, ttl: float = TTL_S, timeout: float | None = None
 ) -> bool:
     return _store(dht, trainers_key(run_id), record.trainer_id, record.model_dump(), ttl, timeout)
+
+
+def announce_control(
+    dht: hivemind.DHT, run_id: str, state: ControlState, ttl: float = CONTROL_TTL_S, timeout: float | None = None
+) -> bool:
+    return _store(dht, control_key(run_id), CONTROL_SUBKEY, state.model_dump(), ttl, timeout)
+
+
+def announce_removed(
+    dht: hivemind.DHT, run_id: str, peer_id: str, ttl: float = REMOVED_TTL_S, timeout: float | None = None
+) -> bool:
+    return _store(dht, removed_key(run_id), peer_id, RemovedRecord(peer_id=peer_id).model_dump(), ttl, timeout)
 
 
 def shutdown_dht(dht: hivemind.DHT) -> None:
@@ -132,6 +197,17 @@ def read_stage(dht: hivemind.DHT, run_id: str, stage: int) -> list[PeerRecord]:
 
 def read_trainers(dht: hivemind.DHT, run_id: str) -> list[TrainerRecord]:
     return _read(dht, trainers_key(run_id), TrainerRecord)
+
+
+def read_control(dht: hivemind.DHT, run_id: str) -> ControlState:
+    """The run's control record; when there is none (never stored, or its coordinator has been gone
+    for CONTROL_TTL_S) the run is not paused."""
+    return max(_read(dht, control_key(run_id), ControlState), key=lambda c: c.updated, default=ControlState())
+
+
+def read_removed(dht: hivemind.DHT, run_id: str) -> set[str]:
+    """Peer ids the operator removed from the run."""
+    return {r.peer_id for r in _read(dht, removed_key(run_id), RemovedRecord)}
 
 
 class SwarmView(BaseModel):

@@ -10,6 +10,7 @@ samples; the trainer finishes a global batch before it starts the next.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from swarm.rpc import pb
 from swarm.wire import encode
 
 T = TypeVar("T")
+
+PAUSE_CHECK_S = 1.0  # while the operator keeps the run paused, look again this often
 
 
 class Pipeline:
@@ -55,6 +58,10 @@ class Pipeline:
                 raise ConfigError(f"--peers: {client.address}: " + "; ".join(problems))
 
     num_stages: int
+
+    def paused(self) -> bool:
+        """Whether the operator paused the run (a static pipeline has no operator)."""
+        return False
 
     def call(
         self, stage: int, samples: int, fn: Callable[[StageClient], T], prefer: str | None = None
@@ -117,6 +124,7 @@ def run_training(
 ) -> list[dict]:
     """The training loop over any pipeline: one global batch per step, `inflight` microbatches at once.
 
+    While the operator keeps the run paused, no new step starts (the one in flight finishes).
     Steps are global: the loop runs steps start .. start + steps - 1 (a trainer joining a swarm
     starts at the swarm's step), and data order follows the global step. A validation pass after
     step s asks for the weights after s + 1 steps."""
@@ -131,6 +139,11 @@ def run_training(
     try:
         for i in range(steps):
             step = start + i
+            if pipe.paused():
+                pipe.note("paused by the operator")
+                while pipe.paused():
+                    time.sleep(PAUSE_CHECK_S)
+                pipe.note(desc)
             jobs = [
                 pool.submit(pipe.microbatch, data.microbatch(step, i, t.micro_batch), step, f"{step}.{i}")
                 for i in range(t.accumulation)

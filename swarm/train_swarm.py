@@ -4,7 +4,10 @@ Every few seconds the trainer reads each stage's online peers from the DHT and h
 stage's `Router`. Each call goes to the peer the router expects to finish it first; a call that
 fails or times out is retried on another peer of the same stage, and the failing peer is banned
 with an exponential back-off until it answers again. When a stage has no live peer, the trainer
-waits and says so on its progress line. The trainer announces itself (samples, loss, tokens/s).
+waits and says so on its progress line. The trainer announces itself (steps, loss, tokens/s,
+failed calls, bans, bytes on the wire).
+The operator's word comes through the DHT too: peers the operator removed get no more calls, and
+while the run is paused no new global step starts.
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ import grpc
 from swarm.client import StageClient
 from swarm.config import RunConfig
 from swarm.join import fetch_join
-from swarm.records import REFRESH_S, TrainerRecord, announce_trainer, make_dht, read_swarm, shutdown_dht
+from swarm.records import (
+    REFRESH_S,
+    ControlState,
+    TrainerRecord,
+    announce_trainer,
+    make_dht,
+    read_control,
+    read_removed,
+    read_swarm,
+    shutdown_dht,
+)
 from swarm.routing import Router
 from swarm.train_pipeline import Pipeline, run_training
 
@@ -49,7 +62,9 @@ class SwarmPipeline(Pipeline):
         self.clients: dict[str, StageClient] = {}
         self.lock = threading.Lock()
         self.failures = 0
+        self.bans = 0  # failing peers banned (a peer that already left the routing is not banned)
         self.events: list[str] = []
+        self.control = ControlState()
         self._stop = threading.Event()
         self.refresh()
         self._refresher = threading.Thread(target=self._refresh_loop, args=(refresh_s,), daemon=True)
@@ -59,12 +74,19 @@ class SwarmPipeline(Pipeline):
 
     def refresh(self) -> None:
         view = read_swarm(self.dht, self.run.run_id, self.num_stages)
+        removed = read_removed(self.dht, self.run.run_id)  # by the operator: they are leaving
+        control = read_control(self.dht, self.run.run_id)
         now = time.monotonic()
         with self.lock:
+            self.control = control
             for k in range(self.num_stages):
-                online = view.online(k)
+                online = [p for p in view.online(k) if p.peer_id not in removed]
                 self.routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
                 self.addresses[k] = {p.peer_id: p.address for p in online}
+
+    def paused(self) -> bool:
+        with self.lock:
+            return self.control.paused
 
     def swarm_step(self) -> int:
         """The global step the stages are at: where a joining trainer starts."""
@@ -89,7 +111,11 @@ class SwarmPipeline(Pipeline):
                 "samples": record["microbatches"] * self.run.training.micro_batch,
                 "steps": record["step"] + 1,
                 "loss": record["loss"],
+                "val_loss": record.get("val_loss", self.trainer.val_loss),
                 "tokens_per_s": record["tokens_per_s"],
+                "failures": record["failures"],
+                "bans": self.bans,
+                "wire_bytes": record["wire_bytes"],
             }
         )
 
@@ -135,6 +161,8 @@ class SwarmPipeline(Pipeline):
                 with self.lock:
                     ban = router.failed(peer, samples, time.monotonic())
                     self.failures += 1
+                    if ban > 0:
+                        self.bans += 1
                 self.events.append(f"stage {stage} peer {peer[-8:]} failed ({err.code().name}); banned {ban:.0f} s")
                 tried.add(peer)
                 continue
@@ -152,6 +180,8 @@ class SwarmPipeline(Pipeline):
         self._refresher.join(timeout=5)
         for c in list(self.clients.values()):
             c.close()
+        # The last step's numbers, for the coordinator to show until the record expires.
+        announce_trainer(self.dht, self.run.run_id, self.trainer, timeout=2)
         shutdown_dht(self.dht)
 
 

@@ -76,10 +76,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_coordinator(config: Path, log: Path) -> tuple[Proc, str]:
-    """A coordinator on a free port; returns it and its base URL once it serves."""
-    port = free_port()
-    proc = Proc(["coordinator", "--config", str(config), "--port", str(port), "--dht-port", "0"], log)
+def start_coordinator(config: Path, log: Path, *extra: str, port: int | None = None) -> tuple[Proc, str]:
+    """A coordinator on `port` (default: a free one) with its state next to its log; returns it and
+    its base URL once it serves. Options in `extra` win over these (argparse keeps the last)."""
+    port = port or free_port()
+    state = ["--state-dir", str(log.with_suffix(".state"))]
+    proc = Proc(["coordinator", "--config", str(config), "--port", str(port), "--dht-port", "0", *state, *extra], log)
     try:
         proc.wait_for_line(r"coordinator of run '\S+' at http://\S+", timeout=60)
     except BaseException:

@@ -21,9 +21,10 @@ ACCUMULATION = 2  # tiny.toml: global_batch 16 / micro_batch 8
 
 
 class Swarm:
-    def __init__(self, tmp: Path, config: Path = TINY):
-        self.tmp = tmp
-        self.coordinator, self.url = start_coordinator(config, tmp / "coordinator.log")
+    def __init__(self, tmp: Path, config: Path = TINY, coordinator_args: tuple[str, ...] = ()):
+        """`coordinator_args`: more options for `swarm coordinator` (they win over the defaults)."""
+        self.tmp, self.config, self.coordinator_args = tmp, config, coordinator_args
+        self.coordinator, self.url = start_coordinator(config, tmp / "coordinator.log", *coordinator_args)
         self.peers: dict[str, Proc] = {}
         self.trainer: Proc | None = None
 
