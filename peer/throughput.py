@@ -1,4 +1,12 @@
-"""How fast this device runs one stage: measured once, cached per device and model."""
+"""How fast this device runs a stage: measured once per device and model, cached.
+
+One stage is measured (the first this device serves); every other stage's throughput is derived
+from it by the ratio of their compute per token (`stage_cost`). Measuring each stage separately
+would compare numbers taken under different conditions (other processes, clocks, a GPU warming
+up): on a shared machine two equal stages measured a minute apart differed by 60%, and peers that
+rebalance on such numbers move back and forth between the stages. The ratio is exact for the
+blocks (they are identical) and close for the head, which is what a move decision needs.
+"""
 
 from __future__ import annotations
 
@@ -41,18 +49,37 @@ def measure(run: RunConfig, stage: int, device: torch.device, repeats: int = 3) 
     return b / min(times[1:])
 
 
+def stage_cost(run: RunConfig, stage: int) -> float:
+    """Multiply-adds per token of the stage's forward: each block's projections, MLP and causal
+    attention over seq_len, plus the LM head on the last stage (the embedding is a lookup)."""
+    m = run.model
+    kv = m.n_kv_heads * m.head_dim
+    block = m.d_model * (2 * m.d_model + 2 * kv) + 3 * m.d_model * m.ffn_dim + m.seq_len * m.d_model
+    cost = len(run.stage_layers(stage)) * block
+    if stage == run.stages.count - 1:
+        cost += m.d_model * m.vocab_size
+    return float(cost)
+
+
+def _key(device: torch.device, run: RunConfig, stage: int) -> str:
+    return f"{device_name(device)}|{run.model_hash()}|stage {stage}|micro_batch {run.training.micro_batch}"
+
+
 def cached_throughput(run: RunConfig, stage: int, device: torch.device) -> float:
-    """The measured throughput, from the cache when this device has run this stage before."""
-    key = f"{device_name(device)}|{run.model_hash()}|stage {stage}|micro_batch {run.training.micro_batch}"
+    """Samples/s of `stage` on this device: derived from the lowest stage measured on it before
+    (scaled by `stage_cost`), or measured now when none was."""
     path = cache_path()
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
-    if key not in cache:
-        cache[key] = measure(run, stage, device)
+    measured = [k for k in range(run.stages.count) if _key(device, run, k) in cache]
+    if not measured:
+        cache[_key(device, run, stage)] = measure(run, stage, device)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache, indent=1))
         tmp.replace(path)
-    return float(cache[key])
+        measured = [stage]
+    ref = min(measured)
+    return float(cache[_key(device, run, ref)]) * stage_cost(run, ref) / stage_cost(run, stage)
