@@ -16,6 +16,9 @@ the replicas stay identical. The step number is hivemind's epoch, and the learni
 follows it. A peer that joins downloads the stage's weights, optimizer state and step from live
 peers (`load_state`) before it serves.
 
+Both updaters resume from a checkpoint (peer/checkpoint.py, `load_checkpoint`): weights, optimizer
+state and step, the step becoming the updater's epoch.
+
 hivemind decides the end of an epoch from its tracker, which may also fire early on an estimated
 time of arrival. Here the end of a global batch is known exactly (the trainer starts the next step
 only when the last one is complete), so a step is taken only on the sample count, or when the
@@ -39,6 +42,7 @@ import torch
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import get_dht_time
 
+from peer.checkpoint import Checkpoint
 from swarm.config import RunConfig
 from swarm.optim import make_optimizer, param_groups, primed
 from swarm.records import TTL_S
@@ -63,6 +67,8 @@ def drop_grads(module: torch.nn.Module) -> None:
 
 class LocalUpdater:
     """One worker per stage: it sees every sample, so it steps after each global batch."""
+
+    missed = False  # a lone stage never misses a step
 
     def __init__(self, run: RunConfig, module: torch.nn.Module):
         self.run, self.module = run, module
@@ -97,6 +103,14 @@ class LocalUpdater:
         return used
 
     def load_state(self) -> str:
+        return self.source
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> str:
+        """Take weights, optimizer state and step from `checkpoint`; returns where the state came from."""
+        snapshot = checkpoint.load()
+        snapshot.apply(self.module, self.optimizer)
+        self.epoch = snapshot.step
+        self.source = f"checkpoint step {snapshot.step}"
         return self.source
 
     def close(self) -> None:
@@ -256,6 +270,10 @@ class SwarmUpdater:
     def epoch(self) -> int:
         return self.opt.local_epoch
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.opt.state_averager.optimizer
+
     def served(self, pending: int) -> None:
         """Tell the stage's tracker how many samples this peer holds gradients for."""
         self.opt.tracker.report_local_progress(self.epoch, pending)
@@ -375,6 +393,28 @@ class SwarmUpdater:
                 self.note(f"stage {self.stage} step {self.epoch}: no peer offers a newer state; keeping this one")
         self.missed, self.failed_loads = False, 0
         self.opt.state_averager.state_sharing_priority = self.epoch
+        self.check.publish(self.epoch, weights_digest(self.module))
+        return self.source
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> str:
+        """Take weights, optimizer state and step from `checkpoint`, as hivemind's
+        `load_state_from_peers` takes them from a peer: the checkpoint's step becomes the local epoch
+        (and the learning rate's), the stage's tracker hears of it, and this replica offers its state
+        with that priority, so replicas of the stage that are behind load it from here."""
+        snapshot = checkpoint.load()
+        averager = self.opt.state_averager
+        with averager.lock_averaged_tensors:
+            snapshot.apply(self.module, self.optimizer)
+        # What hivemind's TrainingStateAverager.load_state_from_peers does after a download (its
+        # private helpers: there is no public way to set a state that did not come from a peer).
+        averager._load_local_tensors_into_averager_()
+        averager.local_epoch = snapshot.step
+        averager._update_scheduler()
+        self.opt.grad_averager.reset_accumulated_grads_()
+        self.opt.tracker.report_local_progress(self.epoch, 0)
+        averager.state_sharing_priority = self.opt.grad_averager.state_sharing_priority = self.epoch
+        self.missed, self.failed_loads = False, 0
+        self.source = f"checkpoint step {self.epoch}"
         self.check.publish(self.epoch, weights_digest(self.module))
         return self.source
 

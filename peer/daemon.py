@@ -7,6 +7,13 @@ weights, optimizer state and step from live peers of that stage through hivemind
 the seeded init: the record's `weights_from` says which), start the stage worker, announce
 `online` and keep refreshing the record.
 
+Checkpoints (peer/checkpoint.py): with a checkpoint folder, the worker saves its stage's state every
+`checkpoint_every` steps in the background. When the peer starts serving a stage (on joining, and
+after a move), its newest intact checkpoint of that stage is loaded instead of the live peers'
+state when its step is above every online peer's (as their records say), or when there is no
+online peer; also when loading from the live peers brings an older state than the checkpoint (the
+records were of peers that died since). Otherwise the live peers' state wins, as without one.
+
 Leave (SIGTERM / SIGINT, or the operator removed this peer through the coordinator): announce
 `leaving`, let in-flight requests finish while new ones are refused, stop the DHT node and its
 p2pd, exit 0.
@@ -27,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from peer.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, writable_dir
 from peer.service import start_server
 from peer.throughput import cached_throughput
 from peer.worker import StageWorker
@@ -41,6 +49,7 @@ from swarm.records import (
     announce_peer,
     make_dht,
     read_removed,
+    read_stage,
     read_swarm,
     shutdown_dht,
     visible_maddrs,
@@ -72,9 +81,13 @@ class PeerDaemon:
         public_name: str,
         delay_per_sample: float = 0.0,
         step_log: Path | None = None,
+        checkpoint_dir: Path | None = None,
+        checkpoint_every: int = 50,
     ):
+        """`checkpoint_dir` None: no checkpoints are saved or loaded."""
         self.run, self.dht, self.device, self.host, self.port = run, dht, device, host, port
         self.delay_per_sample, self.step_log = delay_per_sample, step_log
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         peer_id = dht.peer_id.to_base58()
         self.record = PeerRecord(
             peer_id=peer_id,
@@ -104,11 +117,19 @@ class PeerDaemon:
         self.measured = cached_throughput(self.run, stage, self.device)
         if self.delay_per_sample:  # a stand-in for a slower device is slower from the start
             self.measured = 1 / (1 / self.measured + 2 * self.delay_per_sample)
+        checkpoints = None
+        if self.checkpoint_dir is not None:
+            checkpoints = CheckpointWriter(self.checkpoint_dir, self.run, stage, self.checkpoint_every)
         self.worker = StageWorker(
-            self.run, stage, self.device, delay_per_sample=self.delay_per_sample, step_log=self.step_log, dht=self.dht
+            self.run,
+            stage,
+            self.device,
+            delay_per_sample=self.delay_per_sample,
+            step_log=self.step_log,
+            dht=self.dht,
+            checkpoints=checkpoints,
         )
-        # Weights, optimizer state and step from live peers of the stage (else the seeded init).
-        source = self.worker.updater.load_state()
+        source = self.take_state(stage)
         # The port stays the same across moves, so the address the trainers know stays right.
         self.server, _, self.port = start_server(self.worker, self.host, self.port)
         self.announce(
@@ -125,6 +146,34 @@ class PeerDaemon:
             f"{self.measured:.1f} samples/s measured, weights from {source})",
             flush=True,
         )
+
+    def take_state(self, stage: int) -> str:
+        """Load the stage's newest state into the worker: this peer's checkpoint when it is newer than
+        what the live peers hold, else theirs (else the seeded init); returns where it came from."""
+        checkpoint = latest_checkpoint(self.checkpoint_dir, self.run, stage) if self.checkpoint_dir else None
+        live = [] if checkpoint is None else self.live_steps(stage)
+        source = None
+        if checkpoint is None or (live and checkpoint.step <= max(live)):
+            source = self.worker.updater.load_state()
+            if checkpoint is None or self.worker.optimizer_steps >= checkpoint.step:
+                return source
+            print(
+                f"peer {self.name}: the live peers of stage {stage} offered step {self.worker.optimizer_steps}, "
+                f"the checkpoint holds step {checkpoint.step}",
+                flush=True,
+            )
+        try:
+            source = self.worker.load_checkpoint(checkpoint)
+        except CheckpointError as err:
+            print(f"peer {self.name}: cannot load checkpoint {checkpoint.path}: {err}", flush=True)
+            return source if source is not None else self.worker.updater.load_state()
+        print(f"peer {self.name}: resumed stage {stage} from {checkpoint.path}", flush=True)
+        return source
+
+    def live_steps(self, stage: int) -> list[int]:
+        """The steps the other online peers of `stage` hold, as their records say."""
+        records = read_stage(self.dht, self.run.run_id, stage)
+        return [p.optimizer_steps for p in records if p.state == "online" and p.peer_id != self.record.peer_id]
 
     def refresh(self) -> None:
         live = self.worker.throughput
@@ -199,7 +248,16 @@ def run_peer(
     delay_per_sample: float = 0.0,
     step_log: Path | None = None,
     rebalance: bool = True,
+    checkpoint_dir: Path | None = None,
+    checkpoint_every: int = 50,
 ) -> int:
+    """`checkpoint_dir`: where to save and resume the stage's checkpoints (None: nowhere), checked
+    before anything starts."""
+    if checkpoint_dir is not None:
+        try:
+            checkpoint_dir = writable_dir(checkpoint_dir)
+        except OSError as err:
+            raise ConfigError(f"--checkpoint-dir: cannot write to {checkpoint_dir}: {err.strerror or err}") from None
     run, initial_peers = fetch_join(coordinator)
     if stage is not None and not 0 <= stage < run.stages.count:
         raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
@@ -210,7 +268,9 @@ def run_peer(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    peer = PeerDaemon(run, dht, dev, host, port, public_name, delay_per_sample, step_log)
+    peer = PeerDaemon(
+        run, dht, dev, host, port, public_name, delay_per_sample, step_log, checkpoint_dir, checkpoint_every
+    )
     try:
         if stage is None:
             time.sleep(random.uniform(0, join_wait_s))  # peers that start together spread out

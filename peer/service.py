@@ -132,11 +132,21 @@ class StageService:
 
     def parameters(self, request: pb.ParametersRequest, context) -> pb.ParametersResponse:
         check_target(self.run, self.worker.stage_index, request.run_id, request.stage)
-        params, grads = self.worker.named_tensors(request.with_grads)
+        # The step must be the one the weights include (an export refuses to mix steps): a step
+        # taken while the snapshot waited for the worker's lock shows as a changed count, and the
+        # snapshot is taken again.
+        for _ in range(3):
+            steps = self.worker.optimizer_steps
+            params, grads = self.worker.named_tensors(request.with_grads)
+            if self.worker.optimizer_steps == steps:
+                break
+        else:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the stage kept stepping while its weights were read")
+        # Always raw float32 (codec "none"), whatever the run's wire codec: weights are copied, not trained through.
         return pb.ParametersResponse(
-            parameters=[pb.NamedTensor(name=n, tensor=encode(t)) for n, t in params.items()],
-            grads=[pb.NamedTensor(name=n, tensor=encode(t)) for n, t in grads.items()],
-            optimizer_steps=self.worker.optimizer_steps,
+            parameters=[pb.NamedTensor(name=n, tensor=encode(t, "none")) for n, t in params.items()],
+            grads=[pb.NamedTensor(name=n, tensor=encode(t, "none")) for n, t in grads.items()],
+            optimizer_steps=steps,
         )
 
 

@@ -14,6 +14,10 @@ lone worker steps every global batch of samples; the peers of a swarm stage aver
 gradients with hivemind and step together. Requests carry the global step they belong to: a
 training request for step s needs the weights after s steps, so a worker that has not yet taken
 step s - 1 finishes it first (waiting for the stage's count, at most `averaging.sync_timeout_s`).
+
+Checkpoints (peer/checkpoint.py): right after an optimizer step, on the compute thread and under the
+lock that guards the weights, the worker offers its state to a `CheckpointWriter`, which copies it
+when a checkpoint is due and writes it on its own thread.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from peer.averaging import LocalUpdater, SwarmUpdater
+from peer.checkpoint import Checkpoint, CheckpointWriter, Snapshot
 from peer.requests import BackwardWork, CachedForward, ForwardWork, RequestError
 from swarm.config import RunConfig
 from swarm.device import autocast, device_name
@@ -134,12 +139,14 @@ class StageWorker:
         delay_per_sample: float = 0.0,
         step_log: Path | None = None,
         dht=None,
+        checkpoints: CheckpointWriter | None = None,
     ):
         """`delay_per_sample` (seconds) slows the worker down, to stand in for a slower device in tests;
         `step_log` gets one JSON line per optimizer step naming the microbatches it applied; with a
-        `dht`, the worker averages its steps with the other peers of its stage."""
+        `dht`, the worker averages its steps with the other peers of its stage; `checkpoints` saves
+        the stage's state every so many steps (closed with the worker)."""
         self.run, self.stage_index, self.device = run, stage, device
-        self.delay_per_sample, self.step_log = delay_per_sample, step_log
+        self.delay_per_sample, self.step_log, self.checkpoints = delay_per_sample, step_log, checkpoints
         self.pending_ids: list[str] = []  # microbatches accumulated since the last step
         self.stage = Stage(run, stage).to(device)
         self.stage.train()
@@ -181,6 +188,14 @@ class StageWorker:
                         raise ValueError(f"{name}: shape {list(params[name].shape)}, expected {list(p.shape)}")
                     p.copy_(params[name])
 
+    def load_checkpoint(self, checkpoint: Checkpoint) -> str:
+        """Take the stage's weights, optimizer state and step from `checkpoint`; returns the source."""
+        with self.lock:
+            source = self.updater.load_checkpoint(checkpoint)
+            with self._cache_lock:
+                self.cache.clear()
+        return source
+
     @property
     def optimizer_steps(self) -> int:
         """Global steps this stage's weights include."""
@@ -206,6 +221,8 @@ class StageWorker:
         self.queue.close()
         self._thread.join(timeout=1)
         self.updater.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
 
     # -- the compute thread ----------------------------------------------------------------
 
@@ -438,6 +455,11 @@ class StageWorker:
                     + "\n"
                 )
         self.pending_ids = []
+        if self.checkpoints is not None and not self.updater.missed:
+            # A replica that missed the stage's all-reduce holds a state that is not the step's.
+            self.checkpoints.offer(
+                self.optimizer_steps, lambda: Snapshot.take(self.stage, self.updater.optimizer, self.optimizer_steps)
+            )
 
     # -- state -----------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from swarm.config import ConfigError, load_config
+from pydantic import ValidationError
+
+from swarm.config import ConfigError, RunConfig, format_validation_error, load_config
 
 
 def positive_int(text: str) -> int:
@@ -32,7 +34,30 @@ def port_number(text: str) -> int:
     return value
 
 
+def with_stages(run: RunConfig, count: int, option: str) -> RunConfig:
+    """The run cut into `count` stages; a ConfigError naming `option` when the model cannot be."""
+    try:
+        return run.with_stages(count)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, option)) from None
+
+
+def coordinator_url(flag: str | None, by_hand: bool) -> str | None:
+    """--coordinator, else $SWARM_COORDINATOR (how a container is told), unless the command was given
+    its run by hand (--config, --local, --peers): a flag always wins over the environment."""
+    if flag is not None or by_hand:
+        return flag
+    return os.environ.get("SWARM_COORDINATOR")
+
+
+def data_path(text: str) -> str:
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return text
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    args.coordinator = coordinator_url(args.coordinator, bool(args.local or args.peers or args.config))
     if args.coordinator:
         if args.local or args.peers or args.config:
             raise ConfigError(
@@ -42,12 +67,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         from swarm.train_swarm import train_swarm
 
         train_swarm(
-            args.coordinator, args.steps, inflight=args.inflight, log_json=args.log_json, call_timeout=args.call_timeout
+            args.coordinator,
+            args.steps,
+            inflight=args.inflight,
+            log_json=args.log_json,
+            call_timeout=args.call_timeout,
+            data=args.data,
         )
         return 0
     if not args.config:
-        raise ConfigError("swarm train: --config is required (or --coordinator URL)")
+        raise ConfigError("swarm train: --config is required (or --coordinator URL, or $SWARM_COORDINATOR)")
     run = load_config(args.config)
+    if args.data:
+        run = run.with_data(args.data)
     steps = args.steps or run.training.steps
     if args.local:
         from swarm.train_local import train_local
@@ -76,7 +108,13 @@ def stage_choice(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a stage index") from None
 
 
+def checkpoint_dir_choice(text: str) -> Path | None:
+    """A folder for a peer's checkpoints, or None for 'none' (no checkpoints)."""
+    return None if text.strip().lower() == "none" else Path(text).expanduser()
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
+    args.coordinator = coordinator_url(args.coordinator, bool(args.config))
     if args.coordinator:
         if args.config:
             raise ConfigError("swarm peer: give --coordinator (join a run) or --config (serve by hand), not both")
@@ -93,10 +131,12 @@ def cmd_peer(args: argparse.Namespace) -> int:
             delay_per_sample=args.delay_per_sample,
             step_log=args.log_steps,
             rebalance=not args.no_rebalance,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
         )
         exit_now(code)
     if not args.config or args.stage is None:
-        raise ConfigError("swarm peer: give --coordinator URL, or --config C with --stage K")
+        raise ConfigError("swarm peer: give --coordinator URL (or $SWARM_COORDINATOR), or --config C with --stage K")
     from peer.run import serve_stage
 
     run = load_config(args.config)
@@ -107,11 +147,85 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.run import serve_coordinator
 
     run = load_config(args.config)
+    if args.stages is not None:
+        run = with_stages(run, args.stages, "--stages")
     state_dir = args.state_dir or Path("swarm-state") / run.run_id
     token = args.token or os.environ.get("SWARM_TOKEN") or None
     return serve_coordinator(
         run, host=args.host, port=args.port, dht_port=args.dht_port, state_dir=state_dir, token=token
     )
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from swarm.demo import DemoOptions, run_demo
+
+    if args.port == 0:
+        raise ConfigError("--port: give a port for the dashboard (0 picks none)")
+    opts = DemoOptions(
+        config=args.config,
+        stages=args.stages,
+        replicas=args.replicas,
+        steps=args.steps,
+        port=args.port,
+        workdir=args.workdir,
+        prompt=args.prompt,
+    )
+    return run_demo(opts)
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text} must be above 0")
+    return value
+
+
+def http_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")) or not text.split("://", 1)[1].strip("/"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
+    return text
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from swarm.export import export_swarm
+
+    export_swarm(
+        args.coordinator, args.out, timeout=args.timeout, note=lambda text: print(text, flush=True), force=args.force
+    )
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from swarm.generate import load_export, sample
+
+    if not args.prompt:
+        raise ConfigError("--prompt: must not be empty")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model, run = load_export(args.model)
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"loaded {args.model}: {parameters:,} parameters, context {run.model.seq_len} bytes", file=sys.stderr)
+    start = time.perf_counter()
+    text = sample(
+        model, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, seed=args.seed
+    )
+    print(args.prompt + text, flush=True)
+    print(f"{args.max_new_tokens} bytes in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     train.add_argument("--peers", metavar="ADDR0,ADDR1,...", help="one stage worker per stage, in stage order")
     train.add_argument("--inflight", type=positive_int, default=4, help="microbatches in flight at once (default 4)")
-    train.add_argument("--coordinator", metavar="URL", help="train through the swarm of this run's coordinator")
+    train.add_argument(
+        "--coordinator",
+        metavar="URL",
+        help="train through the swarm of this run's coordinator (default: $SWARM_COORDINATOR)",
+    )
+    train.add_argument(
+        "--data", type=data_path, metavar="PATH", help="train on these text files (file or folder), not the run's data"
+    )
     train.add_argument("--call-timeout", type=float, default=60.0, help="seconds before a call is retried elsewhere")
     train.set_defaults(func=cmd_train)
 
@@ -143,7 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Join a run through its coordinator and serve a stage until SIGTERM or Ctrl-C; "
         "or, with --config and --stage, serve one stage by hand.",
     )
-    peer.add_argument("--coordinator", metavar="URL", help="the run's coordinator, e.g. http://host:8000")
+    peer.add_argument(
+        "--coordinator",
+        metavar="URL",
+        help="the run's coordinator, e.g. http://host:8000 (default: $SWARM_COORDINATOR)",
+    )
     peer.add_argument("--config", help="run configuration (TOML), to serve a stage by hand")
     peer.add_argument(
         "--stage",
@@ -151,14 +276,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stage index, or 'auto' (default with --coordinator): the least served stage",
     )
-    peer.add_argument("--public-name", default="", help="name shown on the dashboard")
+    peer.add_argument(
+        "--public-name",
+        default=os.environ.get("SWARM_PUBLIC_NAME", ""),
+        help="name shown on the dashboard (default: $SWARM_PUBLIC_NAME)",
+    )
     peer.add_argument("--no-rebalance", action="store_true", help="stay on the first stage (never move)")
     peer.add_argument("--delay-per-sample", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow device
     peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)  # tests: applied microbatches
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
-    peer.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    peer.add_argument(
+        "--device",
+        default=os.environ.get("SWARM_DEVICE") or None,
+        help="auto, cpu, cuda or cuda:N (default: $SWARM_DEVICE, else auto)",
+    )
     peer.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    peer.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        type=checkpoint_dir_choice,
+        default=os.environ.get("SWARM_CHECKPOINT_DIR") or "~/.cache/swarm/checkpoints",
+        help="with --coordinator: save the stage's weights and optimizer state here, and resume from them when "
+        "newer than the live peers' (default: $SWARM_CHECKPOINT_DIR, else ~/.cache/swarm/checkpoints; "
+        "'none': no checkpoints)",
+    )
+    peer.add_argument(
+        "--checkpoint-every",
+        metavar="N",
+        type=positive_int,
+        default=50,
+        help="with --coordinator: save a checkpoint every N optimizer steps (default 50)",
+    )
     peer.set_defaults(func=cmd_peer)
 
     coord = sub.add_parser(
@@ -173,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dht-port", type=port_number, default=0, help="DHT port (default: any free port; fix it to restart in place)"
     )
     coord.add_argument(
+        "--stages", type=positive_int, help="cut the model into this many stages (default: the config's stages.count)"
+    )
+    coord.add_argument(
         "--state-dir", type=Path, help="where the coordinator keeps what outlives it (default: swarm-state/RUN_ID)"
     )
     coord.add_argument(
@@ -180,6 +332,73 @@ def build_parser() -> argparse.ArgumentParser:
         help="operator token for the control endpoints (default: $SWARM_TOKEN; without one, control is disabled)",
     )
     coord.set_defaults(func=cmd_coordinator)
+
+    export = sub.add_parser(
+        "export",
+        help="gather the model from a live swarm into one Hugging Face checkpoint",
+        description="Fetch every stage's weights from live peers (all at one optimizer step) and write a Hugging "
+        "Face Llama checkpoint: model.safetensors, config.json, the byte tokenizer, swarm_export.json.",
+    )
+    export.add_argument("--coordinator", required=True, type=http_url, metavar="URL", help="the run's coordinator")
+    export.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory to write (created)")
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty directory that is not a previous export (its other files are kept)",
+    )
+    export.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="S",
+        help="seconds to wait for all stages to reach the same optimizer step (default 60)",
+    )
+    export.set_defaults(func=cmd_export)
+
+    generate = sub.add_parser(
+        "generate",
+        help="sample text from an exported model",
+        description="Load an export (swarm export --out DIR) on this machine's CPU and continue a prompt.",
+    )
+    generate.add_argument("--model", required=True, type=Path, metavar="DIR", help="the export's directory")
+    generate.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
+    generate.add_argument(
+        "--max-new-tokens", type=positive_int, default=200, metavar="N", help="bytes to generate (default 200)"
+    )
+    generate.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.8,
+        metavar="T",
+        help="sampling temperature; 0 takes the most likely byte (default 0.8)",
+    )
+    generate.add_argument(
+        "--top-k",
+        type=non_negative_int,
+        default=40,
+        metavar="K",
+        help="sample among the K likeliest bytes; 0: among all (default 40)",
+    )
+    generate.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="random seed (default 0)")
+    generate.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    generate.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the whole swarm on this machine: coordinator, peers, trainer, export, sample",
+        description="Run a coordinator, STAGES x REPLICAS peers and a trainer on this machine as child processes, "
+        "follow the run on one progress bar, export the model, print a sample and a summary, stop every child.",
+    )
+    demo.add_argument("--config", type=Path, help="run configuration (default: the embedded demo run)")
+    demo.add_argument("--stages", type=positive_int, help="pipeline stages (default: the config's stages.count)")
+    demo.add_argument("--replicas", type=positive_int, default=1, help="peers per stage (default 1)")
+    demo.add_argument("--steps", type=positive_int, help="optimizer steps (default: the config's training.steps)")
+    demo.add_argument("--port", type=port_number, default=8000, help="the dashboard's port (default 8000)")
+    demo.add_argument(
+        "--workdir", type=Path, default=Path("swarm-demo"), help="logs, state and the export (default ./swarm-demo)"
+    )
+    demo.add_argument("--prompt", default="The ", help="start of the sample drawn from the exported model")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

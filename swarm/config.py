@@ -7,10 +7,11 @@ message names the offending field, e.g. ``model.n_heads: must divide model.d_mod
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -29,17 +30,17 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    vocab_size: int = Field(256, ge=2)
-    d_model: int = Field(128, ge=8)
-    n_layers: int = Field(4, ge=1)
-    n_heads: int = Field(4, ge=1)
-    n_kv_heads: int = Field(4, ge=1)
-    ffn_dim: int = Field(384, ge=1)
-    seq_len: int = Field(128, ge=2)
-    dtype: DType = "float32"
-    tie_embeddings: bool = False
-    rope_theta: float = Field(10000.0, gt=0)
-    norm_eps: float = Field(1e-5, gt=0)
+    vocab_size: int = Field(256, ge=2, description="tokens; 256 for the byte tokenizer")
+    d_model: int = Field(128, ge=8, description="hidden size")
+    n_layers: int = Field(4, ge=1, description="transformer blocks, cut into stages")
+    n_heads: int = Field(4, ge=1, description="attention heads (must divide d_model)")
+    n_kv_heads: int = Field(4, ge=1, description="key/value heads, grouped-query attention (divides n_heads)")
+    ffn_dim: int = Field(384, ge=1, description="SwiGLU inner size")
+    seq_len: int = Field(128, ge=2, description="tokens per training sequence (and the longest context)")
+    dtype: DType = Field("float32", description="weights and activations")
+    tie_embeddings: bool = Field(False, description="share the embedding with the LM head (one stage only)")
+    rope_theta: float = Field(10000.0, gt=0, description="rotary embedding base")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
@@ -57,26 +58,25 @@ class ModelConfig(_Strict):
 
 
 class StagesConfig(_Strict):
-    count: int = Field(1, ge=1)
-    # Number of transformer blocks each stage owns, first stage first; default an equal split
-    # (earlier stages take the remainder).
-    layers: list[int] | None = None
+    count: int = Field(1, ge=1, description="pipeline stages")
+    # Earlier stages take the remainder of an equal split.
+    layers: list[int] | None = Field(None, description="blocks per stage, first stage first (default: equal split)")
 
 
 class TrainingConfig(_Strict):
     global_batch: int = Field(32, ge=1, description="sequences per optimizer step")
     micro_batch: int = Field(8, ge=1, description="sequences per forward/backward")
     steps: int = Field(1000, ge=1, description="horizon of the learning-rate schedule")
-    lr: float = Field(3e-3, gt=0)
-    min_lr: float = Field(3e-4, ge=0)
-    warmup_steps: int = Field(20, ge=0)
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
+    lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW), after linear warmup")
+    min_lr: float = Field(3e-4, ge=0, description="the cosine decay ends here, at `steps`")
+    warmup_steps: int = Field(20, ge=0, description="steps of linear warmup")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not on norms)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="weights init and data order")
     eval_every: int = Field(50, ge=0, description="steps between validation passes; 0 disables")
-    eval_batches: int = Field(4, ge=1)
+    eval_batches: int = Field(4, ge=1, description="micro-batches of the held-out split per validation pass")
 
     @model_validator(mode="after")
     def _batches(self) -> TrainingConfig:
@@ -108,14 +108,16 @@ class ServeConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    source: Literal["embedded", "files", "huggingface"] = "embedded"
+    source: Literal["embedded", "files", "huggingface"] = Field(
+        "embedded", description="the training text; embedded is CPython's documentation, shipped with Python"
+    )
     path: str | None = Field(None, description="file or folder, for source = 'files'")
     dataset: str | None = Field(None, description="datasets.load_dataset name, for 'huggingface'")
-    dataset_config: str | None = None
-    data_files: list[str] | None = None
-    split: str = "train"
-    text_field: str = "text"
-    val_fraction: float = Field(0.05, gt=0, lt=0.5)
+    dataset_config: str | None = Field(None, description="its configuration name")
+    data_files: list[str] | None = Field(None, description="its data_files")
+    split: str = Field("train", description="its split")
+    text_field: str = Field("text", description="its column of text")
+    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="the end of the text held out for validation")
 
     @model_validator(mode="after")
     def _source(self) -> DataConfig:
@@ -165,7 +167,9 @@ class AveragingConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    run_id: str = Field("swarm", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    run_id: str = Field(
+        "swarm", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="names the run in the DHT"
+    )
     model: ModelConfig = ModelConfig()
     stages: StagesConfig = StagesConfig()
     training: TrainingConfig = TrainingConfig()
@@ -213,10 +217,61 @@ class RunConfig(_Strict):
         data["stages"] = {"count": count, "layers": layers}
         return RunConfig.model_validate(data)
 
+    def with_data(self, path: str) -> RunConfig:
+        """The same run trained on the text files at `path` (a file, or a folder of them)."""
+        data = self.model_dump()
+        data["data"] = {"source": "files", "path": path, "val_fraction": self.data.val_fraction}
+        return RunConfig.model_validate(data)
+
     def model_hash(self) -> str:
         """A short fingerprint of everything that decides the weights' shapes and layout."""
         blob = self.model.model_dump_json() + self.stages.model_dump_json()
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def dump_config(run: RunConfig) -> str:
+    """The run as a TOML file that load_config reads back to an equal RunConfig (unset options, which
+    are None, are left out). Written here because the standard library reads TOML but cannot write it,
+    and the config is flat enough (scalars and lists, one level of tables) not to need a package."""
+    data = run.model_dump()
+    top = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict) and v is not None]
+    tables = [
+        "\n".join([f"[{k}]"] + [f"{name} = {_toml_value(v)}" for name, v in table.items() if v is not None])
+        for k, table in data.items()
+        if isinstance(table, dict)
+    ]
+    return "\n\n".join(["\n".join(top), *tables]) + "\n"
+
+
+def config_reference() -> str:
+    """Every option of a run config as Markdown tables, one per section (the README's reference)."""
+    out = []
+    for section, field in RunConfig.model_fields.items():
+        model = field.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            out.append(f"`{section}` (default `{field.default}`): {field.description}\n")
+            continue
+        out.append(f"`[{section}]`\n\n| option | default | meaning |\n|---|---|---|")
+        for name, f in model.model_fields.items():
+            default = "none" if f.default is None else _toml_value(f.default)
+            meaning = f.description or ""
+            if get_origin(f.annotation) is Literal:
+                meaning += " (" + ", ".join(map(str, get_args(f.annotation))) + ")"
+            out.append(f"| `{name}` | `{default}` | {meaning} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _field_path(loc: tuple) -> str:

@@ -100,6 +100,13 @@ class TokenStream:
         starts = torch.randint(0, len(self.train) - self.seq_len, (size,), generator=gen)
         return self._windows(self.train, starts)
 
+    def unigram_loss(self) -> float:
+        """The baseline a model must beat: cross-entropy (nats per token) of the validation split under
+        the training split's token frequencies (add-one smoothed), i.e. a model that ignores context."""
+        counts = torch.bincount(self.train, minlength=ByteTokenizer.vocab_size).double() + 1.0
+        logp = (counts / counts.sum()).log()
+        return float(-logp[self.val].mean())
+
     def val_batches(self, count: int, size: int) -> list[Batch]:
         """A fixed set of evenly spaced validation windows (the same at every evaluation)."""
         n = count * size

@@ -192,8 +192,13 @@ def train_swarm(
     log_json=None,
     call_timeout: float = 60.0,
     public_name: str = "",
+    data: str | None = None,
 ) -> list[dict]:
+    """Train through the run's swarm; `data`: text files (a file or a folder) to train on instead of
+    the run's own data section (the run's model, schedule and batches stay the coordinator's)."""
     run, initial_peers = fetch_join(coordinator)
+    if data:
+        run = run.with_data(data)
     pipe = SwarmPipeline(run, initial_peers, call_timeout=call_timeout, public_name=public_name)
     steps = steps or run.training.steps
     start = pipe.swarm_step()

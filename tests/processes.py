@@ -21,7 +21,9 @@ class Proc:
     def __init__(self, args: list[str], log: Path):
         self.log_path = log
         self._log = open(log, "w")  # noqa: SIM115 (closed in stop())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Peers keep their checkpoints next to the test's logs: never in the user's cache, where a
+        # later test of the same run id would resume from them.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_CHECKPOINT_DIR": str(log.parent / "checkpoints")}
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "swarm.cli", *args],
             stdout=self._log,

@@ -4,7 +4,8 @@ import tomllib
 
 import pytest
 
-from swarm.config import ConfigError, load_config, parse_config
+from swarm.config import ConfigError, dump_config, load_config, parse_config
+from swarm.demo import DEFAULT_CONFIG
 from tests.conftest import CONFIGS, run_cli
 
 
@@ -23,6 +24,19 @@ def test_shipped_configs_load(name):
     run = load_config(CONFIGS / f"{name}.toml")
     covered = [i for k in range(run.stages.count) for i in run.stage_layers(k)]
     assert covered == list(range(run.model.n_layers))
+
+
+@pytest.mark.parametrize("path", [*(CONFIGS / f"{n}.toml" for n in ["tiny", "small", "125m", "1b"]), DEFAULT_CONFIG])
+def test_a_dumped_config_reads_back_equal(path):
+    run = load_config(path)
+    assert parse_config(tomllib.loads(dump_config(run))) == run
+    changed = run.with_stages(1)  # lists and None are written too
+    assert parse_config(tomllib.loads(dump_config(changed))) == changed
+
+
+def test_coordinator_stages_option_is_validated():
+    result = run_cli("coordinator", "--config", str(CONFIGS / "tiny.toml"), "--stages", "9")
+    assert result.returncode == 2 and "stages.count: 9 stages but only 4 layers" in result.stderr
 
 
 @pytest.mark.parametrize(

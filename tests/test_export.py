@@ -1,0 +1,189 @@
+"""`swarm export` and `swarm generate` against a real swarm: a coordinator, one peer per stage of
+configs/tiny.toml and a trainer that runs a few steps first, so the exported weights are trained ones.
+
+The export must load in Hugging Face transformers and give the swarm's logits, computed by the live
+peers' Forward RPC stage by stage (tiny.toml's wire codec is none, so the wire is lossless).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarm.client import StageClient
+from swarm.config import load_config
+from swarm.data import ByteTokenizer
+from swarm.export import ExportError, export_swarm
+from swarm.generate import load_export
+from swarm.join import fetch_join
+from swarm.model import Stage
+from swarm.wire import decode, encode
+from tests.conftest import run_cli
+from tests.processes import free_port, start_peer, wait_for_state
+from tests.test_averaging import FAST_AVERAGING, config_with
+from tests.test_swarm import Swarm, peer_record
+
+STEPS = 3
+TEXT = "def main():\n    print('héllo, wörld ☃')  # SWARM\n"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A swarm after STEPS training steps (the trainer has finished, so the step stays put), and its
+    export made with the command line."""
+    tmp = tmp_path_factory.mktemp("export")
+    path, _ = config_with(tmp, FAST_AVERAGING)
+    swarm = Swarm(tmp, path)
+    try:
+        swarm.add_peer("p0", 0)
+        swarm.add_peer("p1", 1)
+        swarm.wait_online(["p0", "p1"])
+        swarm.train(steps=STEPS)
+        swarm.finish_training()
+        wait_for_state(
+            swarm.url, lambda s: all(peer_record(s, n)["optimizer_steps"] == STEPS for n in ("p0", "p1")), timeout=30
+        )
+        swarm.out = tmp / "model"
+        swarm.export = run_cli("export", "--coordinator", swarm.url, "--out", str(swarm.out), timeout=120)
+        yield swarm
+    finally:
+        swarm.close()
+
+
+def swarm_logits(swarm: Swarm, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of the live swarm: the peers' Forward RPC, stage by stage (inference, no targets)."""
+    run, _ = fetch_join(swarm.url)
+    state = wait_for_state(swarm.url, lambda s: all(peer_record(s, n) for n in ("p0", "p1")))
+    x = encode(ids)
+    for stage, name in enumerate(["p0", "p1"]):
+        client = StageClient(peer_record(state, name)["address"], run)
+        try:
+            x = client.forward(stage, x, f"probe-{stage}", step=0, train=False).output
+        finally:
+            client.close()
+    return decode(x)
+
+
+def probe_ids() -> torch.Tensor:
+    text = ByteTokenizer().encode(TEXT * 3)[:128]
+    noise = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(1))
+    return torch.stack([text, noise])
+
+
+def test_export_loads_in_transformers_and_gives_the_swarms_logits(trained):
+    done = trained.export
+    assert done.returncode == 0, done.stderr[-3000:]
+    for stage in (0, 1):
+        assert f"stage {stage}: layers" in done.stdout and f"at step {STEPS} from p{stage}" in done.stdout
+    assert f"exported step {STEPS}:" in done.stdout
+    meta = json.loads((trained.out / "swarm_export.json").read_text())
+    assert meta["step"] == STEPS and [s["public_name"] for s in meta["stages"]] == ["p0", "p1"]
+
+    model = AutoModelForCausalLM.from_pretrained(trained.out, dtype=torch.float32).eval()
+    ids = probe_ids()
+    with torch.no_grad():
+        hf = model(ids).logits
+    reference = swarm_logits(trained, ids)
+    diff = (hf - reference).abs().max().item()
+    print(f"max abs logit difference, transformers vs swarm: {diff:.3g}")
+    assert diff <= 1e-4
+
+    # trained weights, not the seeded init
+    init = Stage(load_config(trained.config), 0).embed_tokens.weight
+    assert not torch.equal(model.model.embed_tokens.weight, init)
+
+
+def test_our_loader_gives_the_same_logits_as_transformers(trained):
+    model = AutoModelForCausalLM.from_pretrained(trained.out, dtype=torch.float32).eval()
+    ours, run = load_export(trained.out)
+    assert run.model == load_config(trained.config).model
+    ids = probe_ids()
+    with torch.no_grad():
+        assert (ours(ids) - model(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_the_exported_tokenizer_is_the_byte_tokenizer(trained):
+    tok = AutoTokenizer.from_pretrained(trained.out)
+    for text in [TEXT, "  leading spaces, a tab\t and \x00 control bytes ", "日本語のテキスト"]:
+        ids = tok.encode(text)
+        assert ids == ByteTokenizer().encode(text).tolist()
+        assert tok.decode(ids) == text
+
+
+def test_generate_prints_a_continuation(trained):
+    done = run_cli(
+        "generate", "--model", str(trained.out), "--prompt", "def ", "--max-new-tokens", "40", "--threads", "1"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("def ") and len(done.stdout.encode()) > 40
+    assert "40 bytes in" in done.stderr
+
+
+def test_exporting_again_replaces_the_previous_export_and_force_keeps_other_files(trained, tmp_path):
+    info = export_swarm(trained.url, trained.out, note=lambda text: None)  # the Python API `swarm demo` calls
+    assert (info.step, info.out, set(info.sources)) == (STEPS, trained.out, {0, 1})
+    assert "p0" in info.sources[0] and "p1" in info.sources[1]
+    assert not [p for p in trained.out.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+    crowded = tmp_path / "crowded"
+    crowded.mkdir()
+    (crowded / "notes.txt").write_text("mine")
+    refused = run_cli("export", "--coordinator", trained.url, "--out", str(crowded), timeout=120)
+    assert refused.returncode == 2
+    assert f"--out: {crowded} is not empty" in refused.stderr and "--force" in refused.stderr
+    assert sorted(p.name for p in crowded.iterdir()) == ["notes.txt"]
+    export_swarm(trained.url, crowded, note=lambda text: None, force=True)
+    assert (crowded / "notes.txt").read_text() == "mine" and (crowded / "model.safetensors").is_file()
+
+
+def test_bad_input_is_refused_with_a_message_naming_it(trained, tmp_path):
+    nobody = f"http://127.0.0.1:{free_port()}"
+    done = run_cli("export", "--coordinator", nobody, "--out", str(tmp_path / "x"))
+    assert done.returncode == 2 and f"cannot reach {nobody}" in done.stderr
+    assert not (tmp_path / "x").exists()
+
+    missing = tmp_path / "missing"
+    done = run_cli("generate", "--model", str(missing), "--prompt", "a")
+    assert done.returncode == 2 and f"--model: {missing} is not a directory" in done.stderr
+
+    done = run_cli("generate", "--model", str(trained.out), "--prompt", "a", "--max-new-tokens", "0")
+    assert done.returncode == 2 and "--max-new-tokens: 0 must be at least 1" in done.stderr
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((trained.out / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        load_export(broken)
+
+
+def test_parameters_travel_as_raw_float32_under_a_lossy_wire_codec(tmp_path):
+    path, run = config_with(tmp_path, "")
+    path.write_text(path.read_text().replace('codec = "none"', 'codec = "int8"'))
+    run = load_config(path)
+    proc, address = start_peer(path, 1, tmp_path)
+    client = StageClient(address, run)
+    try:
+        response = client.parameters(1)
+    finally:
+        client.close()
+        proc.stop()
+    assert {p.tensor.codec for p in response.parameters} == {"none"}
+    init = dict(Stage(run, 1).named_parameters())
+    for p in response.parameters:
+        assert torch.equal(decode(p.tensor), init[p.name]), p.name
+
+
+def test_export_names_a_stage_without_an_online_peer(trained, tmp_path):
+    # Last in this file: it takes the swarm's stage 1 away. A peer told to stop announces `leaving`
+    # at once; the fixture's teardown waits for it to exit.
+    os.killpg(trained.peers["p1"].popen.pid, signal.SIGTERM)
+    wait_for_state(trained.url, lambda s: (peer_record(s, "p1") or {}).get("state") != "online", timeout=30)
+    with pytest.raises(ExportError, match="stage 1 has no online peer"):
+        export_swarm(trained.url, tmp_path / "x", note=lambda text: None)
+    assert not (tmp_path / "x").exists()
