@@ -59,17 +59,19 @@ def _bound_port(server: uvicorn.Server, default: int) -> int:
     return default
 
 
-def start_dht(host: str, dht_port: int, state_dir: Path, known: KnownPeers) -> hivemind.DHT:
+def start_dht(
+    host: str, dht_port: int, state_dir: Path, known: KnownPeers, announce_host: str | None = None
+) -> hivemind.DHT:
     """The coordinator's DHT node, with the identity kept in `state_dir/dht.key` (so, on the same
     port, the same multiaddrs as before a restart), bootstrapped from the peers it saw last."""
     identity = state_dir / "dht.key"
     initial = known.load()
     if initial:
         try:
-            return make_dht(initial, host, dht_port, identity_path=identity)
+            return make_dht(initial, host, dht_port, identity_path=identity, announce_host=announce_host)
         except P2PDaemonError as err:  # all of them gone: this is a new swarm, or a new start of it
             print(f"coordinator: none of the {len(initial)} saved peers answers ({err}); starting afresh", flush=True)
-    return make_dht(None, host, dht_port, identity_path=identity)
+    return make_dht(None, host, dht_port, identity_path=identity, announce_host=announce_host)
 
 
 def open_state_dir(path: Path) -> Path:
@@ -85,8 +87,16 @@ def open_state_dir(path: Path) -> Path:
 
 
 def serve_coordinator(
-    run: RunConfig, host: str, port: int, dht_port: int, state_dir: Path, token: str | None = None
+    run: RunConfig,
+    host: str,
+    port: int,
+    dht_port: int,
+    state_dir: Path,
+    token: str | None = None,
+    announce_host: str | None = None,
 ) -> int:
+    """`announce_host`: the address peers on other machines reach this one at, handed out in
+    /api/v1/join instead of the listening interfaces' addresses."""
     # Signals first arrive here; until the server is up, a signal just ends the start-up early.
     stop = threading.Event()
 
@@ -99,7 +109,7 @@ def serve_coordinator(
     known = KnownPeers(state_dir / "peers.json")
     # The DHT's process is forked before our handlers are installed, so it keeps the default
     # SIGTERM action (a signal to the whole process group ends it directly).
-    dht = start_dht(host, dht_port, state_dir, known)
+    dht = start_dht(host, dht_port, state_dir, known, announce_host)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     control = OperatorControl(token, state_dir / "control.json", on_event=recorder.control)
     publisher = ControlPublisher(dht, run.run_id, control)

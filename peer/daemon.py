@@ -62,8 +62,12 @@ log = logging.getLogger("swarm.peer")
 EXIT_DEADLINE_S = 20.0
 
 
-def announce_address(host: str, port: int) -> str:
-    if host in ("0.0.0.0", "::", ""):
+def announce_address(host: str, port: int, announce_host: str | None = None) -> str:
+    """HOST:PORT as others should dial it: `announce_host` when given, else the listening address
+    (for 0.0.0.0, this machine's address as its own name resolves)."""
+    if announce_host:
+        host = announce_host
+    elif host in ("0.0.0.0", "::", ""):
         host = socket.gethostbyname(socket.gethostname())
     return f"{host}:{port}"
 
@@ -83,8 +87,11 @@ class PeerDaemon:
         step_log: Path | None = None,
         checkpoint_dir: Path | None = None,
         checkpoint_every: int = 50,
+        announce_host: str | None = None,
     ):
-        """`checkpoint_dir` None: no checkpoints are saved or loaded."""
+        """`checkpoint_dir` None: no checkpoints are saved or loaded. `announce_host`: the address
+        trainers dial this peer at, when it is not the listening one (NAT, containers)."""
+        self.announce_host = announce_host
         self.run, self.dht, self.device, self.host, self.port = run, dht, device, host, port
         self.delay_per_sample, self.step_log = delay_per_sample, step_log
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
@@ -133,7 +140,7 @@ class PeerDaemon:
         # The port stays the same across moves, so the address the trainers know stays right.
         self.server, _, self.port = start_server(self.worker, self.host, self.port)
         self.announce(
-            address=announce_address(self.host, self.port),
+            address=announce_address(self.host, self.port, self.announce_host),
             device=self.worker.device_name,
             throughput=self.measured,
             state="online",
@@ -250,8 +257,12 @@ def run_peer(
     rebalance: bool = True,
     checkpoint_dir: Path | None = None,
     checkpoint_every: int = 50,
+    announce_host: str | None = None,
+    dht_port: int = 0,
 ) -> int:
-    """`checkpoint_dir`: where to save and resume the stage's checkpoints (None: nowhere), checked
+    """`announce_host`: the address others reach this peer at (gRPC and DHT), when it is not the one
+    it listens on; `dht_port`: the DHT's port (0: any free one).
+    `checkpoint_dir`: where to save and resume the stage's checkpoints (None: nowhere), checked
     before anything starts."""
     if checkpoint_dir is not None:
         try:
@@ -264,12 +275,23 @@ def run_peer(
     if threads:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
-    dht = make_dht(initial_peers, host=host if host not in ("", "::") else "0.0.0.0")
+    dht_host = host if host not in ("", "::") else "0.0.0.0"
+    dht = make_dht(initial_peers, host=dht_host, port=dht_port, announce_host=announce_host)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     peer = PeerDaemon(
-        run, dht, dev, host, port, public_name, delay_per_sample, step_log, checkpoint_dir, checkpoint_every
+        run,
+        dht,
+        dev,
+        host,
+        port,
+        public_name,
+        delay_per_sample,
+        step_log,
+        checkpoint_dir,
+        checkpoint_every,
+        announce_host=announce_host,
     )
     try:
         if stage is None:

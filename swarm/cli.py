@@ -27,6 +27,23 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def host_name(text: str) -> str:
+    """An IP address or a DNS name, as others would dial it."""
+    name = text.strip()
+    if not name or any(c in name for c in "/: ") and not _is_ipv6(name):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address or host name")
+    return name
+
+
+def _is_ipv6(text: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(text).version == 6
+    except ValueError:
+        return False
+
+
 def port_number(text: str) -> int:
     value = non_negative_int(text)
     if value > 65535:
@@ -133,6 +150,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
             rebalance=not args.no_rebalance,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
+            announce_host=args.announce_host,
+            dht_port=args.dht_port,
         )
         exit_now(code)
     if not args.config or args.stage is None:
@@ -152,7 +171,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or Path("swarm-state") / run.run_id
     token = args.token or os.environ.get("SWARM_TOKEN") or None
     return serve_coordinator(
-        run, host=args.host, port=args.port, dht_port=args.dht_port, state_dir=state_dir, token=token
+        run,
+        host=args.host,
+        port=args.port,
+        dht_port=args.dht_port,
+        state_dir=state_dir,
+        token=token,
+        announce_host=args.announce_host,
     )
 
 
@@ -286,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)  # tests: applied microbatches
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
+    peer.add_argument("--dht-port", type=port_number, default=0, help="the DHT node's port (default: any free port)")
+    peer.add_argument(
+        "--announce-host",
+        type=host_name,
+        default=os.environ.get("SWARM_ANNOUNCE_HOST") or None,
+        help="the address others reach this machine at, when not the one it listens on: a public IP or name, "
+        "behind NAT the router's with --port and --dht-port forwarded (default: $SWARM_ANNOUNCE_HOST)",
+    )
     peer.add_argument(
         "--device",
         default=os.environ.get("SWARM_DEVICE") or None,
@@ -317,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coord.add_argument("--config", required=True, help="run configuration (TOML)")
     coord.add_argument("--host", default="127.0.0.1", help="address for HTTP and the DHT (default 127.0.0.1)")
+    coord.add_argument(
+        "--announce-host",
+        type=host_name,
+        help="the address peers on other machines reach the DHT at (a public IP or name), when not --host",
+    )
     coord.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
     coord.add_argument(
         "--dht-port", type=port_number, default=0, help="DHT port (default: any free port; fix it to restart in place)"

@@ -15,7 +15,9 @@ misbehaving peer cannot break everybody's view of the swarm.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Literal
@@ -115,20 +117,44 @@ def make_dht(
     port: int = 0,
     client_mode: bool = False,
     identity_path: Path | None = None,
+    announce_host: str | None = None,
 ) -> hivemind.DHT:
     """A DHT node listening on HOST:PORT (hivemind's default is loopback only). With `identity_path`
     (a private key file, created when missing) the node keeps its peer id across restarts, so on
-    the same port it keeps its multiaddrs too."""
+    the same port it keeps its multiaddrs too. With `announce_host` (the address others reach this
+    machine at: a public IP or name, a forwarded router's) the node tells others only that address,
+    not its interfaces' (which, behind NAT or in a container, nobody else can reach); it needs a
+    known port, so port 0 becomes a free port picked here."""
     maddrs = [f"/ip4/{host}/tcp/{port}"]
-    identity = {"identity_path": str(identity_path)} if identity_path is not None else {}
+    extra: dict = {"identity_path": str(identity_path)} if identity_path is not None else {}
+    if announce_host:
+        if port == 0:
+            port = free_port(host)
+            maddrs = [f"/ip4/{host}/tcp/{port}"]
+        extra["announce_maddrs"] = [host_maddr(announce_host, port)]
     return hivemind.DHT(
         initial_peers=initial_peers or None,
         host_maddrs=maddrs,
         client_mode=client_mode,
         start=True,
         await_ready=True,
-        **identity,
+        **extra,
     )
+
+
+def host_maddr(host: str, port: int) -> str:
+    """The TCP multiaddr of HOST (an IPv4 address, an IPv6 address or a DNS name) and PORT."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"/dns/{host}/tcp/{port}"
+    return f"/ip{ip.version}/{host}/tcp/{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

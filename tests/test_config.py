@@ -4,7 +4,7 @@ import tomllib
 
 import pytest
 
-from swarm.config import ConfigError, dump_config, load_config, parse_config
+from swarm.config import ConfigError, config_reference, dump_config, load_config, parse_config
 from swarm.demo import DEFAULT_CONFIG
 from tests.conftest import CONFIGS, run_cli
 
@@ -98,3 +98,10 @@ def test_help_lists_subcommands():
     assert result.returncode == 0 and "train" in result.stdout
     result = run_cli("train", "--help")
     assert result.returncode == 0 and "--log-json" in result.stdout
+
+
+def test_the_readme_lists_every_option_as_the_models_define_them():
+    readme = (CONFIGS.parent / "README.md").read_text()
+    start, end = "<!-- config reference: start -->\n", "<!-- config reference: end -->"
+    listed = readme[readme.index(start) + len(start) : readme.index(end)]
+    assert listed == config_reference(), "README.md's configuration reference is out of date"
