@@ -10,9 +10,11 @@ BENCHMARKS = {
     "averaging": "benchmarks.averaging",
     "coordinator": "benchmarks.coordinator",
     "failover": "benchmarks.failover",
+    "fuzz": "benchmarks.fuzz",
     "local": "benchmarks.local",
     "pipeline": "benchmarks.pipeline",
     "rebalance": "benchmarks.rebalance",
+    "verify": "benchmarks.verify",
     "wire": "benchmarks.wire",
 }
 

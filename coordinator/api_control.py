@@ -33,14 +33,19 @@ class ErrorDetail(BaseModel):
     detail: str
 
 
+def token_matches(credentials: HTTPAuthorizationCredentials | None, token: str) -> bool:
+    """Whether the request's bearer token is `token` (compared in constant time)."""
+    given = credentials.credentials.encode() if credentials is not None else b""
+    return hmac.compare_digest(given, token.encode())
+
+
 def control_router(view_holder: ViewHolder, control: OperatorControl | None) -> APIRouter:
     """The operator's endpoints; `control` None (or without a token) disables them (403)."""
 
     def operator(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> OperatorControl:
         if control is None or control.token is None:
             raise HTTPException(403, "control is disabled: start the coordinator with --token")
-        given = credentials.credentials.encode() if credentials is not None else b""
-        if not hmac.compare_digest(given, control.token.encode()):
+        if not token_matches(credentials, control.token):
             raise HTTPException(
                 401,
                 "missing or wrong operator token: send 'Authorization: Bearer TOKEN'",

@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from coordinator.api_control import control_router
+from coordinator.api_control import ErrorDetail, control_router, token_matches
 from coordinator.api_history import history_router
 from coordinator.control import OperatorControl
 from coordinator.history import History, point_of
@@ -27,6 +29,9 @@ from swarm.config import RunConfig
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
 
 STATIC_DIR = Path(__file__).parent / "static"  # the dashboard: index.html, app.js, chart.js, style.css
+join_bearer = HTTPBearer(
+    auto_error=False, scheme_name="JoinToken", description="the token given to `swarm coordinator --join-token`"
+)
 
 
 class JoinInfo(BaseModel):
@@ -108,8 +113,10 @@ def create_app(
     join_info: JoinInfo,
     control: OperatorControl | None = None,
     history: History | None = None,
+    join_token: str | None = None,
 ) -> FastAPI:
-    """The coordinator's HTTP app; without a `history` store it keeps the history in memory only."""
+    """The coordinator's HTTP app; without a `history` store it keeps the history in memory only. With
+    a `join_token`, /api/v1/join answers only requests that carry it (reading the swarm stays open)."""
     history = history if history is not None else History(Path(":memory:"))
     app = FastAPI(
         title=f"swarm coordinator: run {run.run_id}",
@@ -117,7 +124,25 @@ def create_app(
         description="Join a SWARM training run and watch its pipeline stages.",
     )
 
-    @app.get("/api/v1/join", response_model=JoinResponse, summary="How to join this run")
+    def joiner(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(join_bearer)]) -> None:
+        if join_token is not None and not token_matches(credentials, join_token):
+            raise HTTPException(
+                401,
+                "missing or wrong join token: this run needs the join token its operator gave out "
+                "(send 'Authorization: Bearer TOKEN'; swarm peer --join-token, or $SWARM_JOIN_TOKEN)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    # An open run declares no security on /api/v1/join, so its schema says what it does.
+    guarded = join_token is not None
+
+    @app.get(
+        "/api/v1/join",
+        response_model=JoinResponse,
+        responses={401: {"model": ErrorDetail}} if guarded else {},
+        dependencies=[Depends(joiner)] if guarded else [],
+        summary="How to join this run",
+    )
     def join() -> JoinResponse:
         return JoinResponse(run_id=run.run_id, config=run, initial_peers=join_info.initial_peers, version=__version__)
 

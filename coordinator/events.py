@@ -8,6 +8,7 @@ hand-made views.
 - a peer whose record turns 'leaving' → leave, or move when it names the stage it moves to;
 - a peer whose records vanish without having said 'leaving' → failure (its record expired);
 - a trainer's failed-call and ban counters growing → failure and ban;
+- a peer new in a trainer's spot-check bans (swarm/verify.py) → ban, naming the peer;
 - a trainer's step count growing → one step event with the latest loss, however many steps came.
 """
 
@@ -104,6 +105,12 @@ def diff_events(old: SwarmView, new: SwarmView, seen_online: Collection[str] = (
         if r.bans > prev.bans:
             n = _plural(r.bans - prev.bans, "time")
             events.append(Event(t=t, kind="ban", text=f"trainer {name} banned a failing peer ({n})"))
+        names = {pid: peer_name(p) for (pid, _), p in {**before, **after}.items()}
+        for pid, k in r.spot_banned.items():
+            if pid not in prev.spot_banned:
+                who = names.get(pid, pid[-8:])
+                text = f"trainer {name} banned peer {who} of stage {k}: its outputs disagreed with two agreeing peers"
+                events.append(Event(t=t, kind="ban", peer=who, stage=k, text=text))
         if r.steps > prev.steps:
             # A trainer first seen mid-run may have started at any step: name only the one it is at.
             one = first_seen or r.steps == prev.steps + 1

@@ -94,9 +94,11 @@ def serve_coordinator(
     state_dir: Path,
     token: str | None = None,
     announce_host: str | None = None,
+    join_token: str | None = None,
 ) -> int:
     """`announce_host`: the address peers on other machines reach this one at, handed out in
-    /api/v1/join instead of the listening interfaces' addresses."""
+    /api/v1/join instead of the listening interfaces' addresses. `join_token`: what peers and
+    trainers must send to join (None: anyone may)."""
     # Signals first arrive here; until the server is up, a signal just ends the start-up early.
     stop = threading.Event()
 
@@ -125,7 +127,7 @@ def serve_coordinator(
         reader.start()
         publisher.start()
 
-        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history)
+        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, join_token=join_token)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         # Off the main thread uvicorn leaves signal handling to us (no capture and re-raise).
         server_thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)

@@ -84,7 +84,7 @@ class SwarmReader(threading.Thread):
             started = time.monotonic()
             try:
                 view = read_swarm(self.dht, self.run_id, self.num_stages)
-                control = read_control(self.dht, self.run_id)
+                control = read_control(self.dht, self.run_id, {self.dht.peer_id.to_base58()})  # its own word
             except Exception as err:  # noqa: BLE001 (keep serving the last good view)
                 if self._stop_event.is_set():
                     return

@@ -16,6 +16,10 @@ the replicas stay identical. The step number is hivemind's epoch, and the learni
 follows it. A peer that joins downloads the stage's weights, optimizer state and step from live
 peers (`load_state`) before it serves.
 
+What goes into the average is guarded: a peer whose gradient is not finite contributes no samples
+(its gradient is dropped), each contribution is clipped (`clip_contribution`), and a step whose
+averaged gradient is not finite is not applied (`ClippedAdamW` skips it).
+
 Both updaters resume from a checkpoint (peer/checkpoint.py, `load_checkpoint`): weights, optimizer
 state and step, the step becoming the updater's epoch.
 
@@ -63,6 +67,35 @@ def drop_grads(module: torch.nn.Module) -> None:
     for p in module.parameters():
         if p.grad is not None:
             p.grad.zero_()
+
+
+def clip_contribution(module: torch.nn.Module, max_norm: float) -> float:
+    """Scale this peer's gradient down to norm `max_norm` when it is longer (`max_norm` 0: never);
+    returns the factor applied (1.0 when left as it was).
+
+    The stage's average is a weighted mean of its peers' gradients, so without a bound one peer's
+    gradient a thousand times too long (a bug, a bad device, a bad actor) is the average, and the
+    step then goes wherever it points. Clipping each contribution bounds its share of the average
+    by its sample weight times `max_norm`.
+
+    The bound is a multiple of `training.grad_clip` (`averaging.contribution_clip`, 10 by default)
+    rather than `grad_clip` itself, because the step clips the averaged gradient again by the
+    global norm: that final clip keeps the step's length, and this one only has to keep a single
+    peer from taking over its direction. A bound at `grad_clip` would clip most honest gradients
+    early in training (over one micro-batch of configs/tiny.toml a stage's gradient reaches 7x
+    `grad_clip` in its first steps and about 10x in loss spikes), reweighting the samples away from
+    the reference trainer's mean; at 10x an honest gradient is left alone nearly always."""
+    if max_norm <= 0:
+        return 1.0
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return 1.0
+    norm = float(torch.stack(torch._foreach_norm(grads)).norm())
+    if norm <= max_norm:
+        return 1.0
+    factor = max_norm / norm
+    torch._foreach_mul_(grads, factor)
+    return factor
 
 
 class LocalUpdater:
@@ -227,6 +260,8 @@ class SwarmUpdater:
         t, a = run.training, run.averaging
         self.prefix = f"{run.run_id}_stage{stage}".replace(".", "_")  # hivemind forbids dots
         self.dropped = 0  # contributions left out of the average because they were not finite
+        self.clipped = 0  # contributions clipped to `contribution_bound` before they were averaged
+        self.contribution_bound = a.contribution_clip * t.grad_clip
         self.source = "the seeded init"
         self.missed = False  # the last all-reduce left this replica out
         self.failed_loads = 0  # loads in a row that brought nothing new while missed
@@ -317,10 +352,17 @@ class SwarmUpdater:
             self.dropped += 1
             self.note(f"stage {self.stage} step {self.epoch}: dropped a non-finite gradient of {pending} samples")
             pending = 0
-        elif pending > 0:
+        scale = 1.0  # applied to .grad for the all-reduce; undone when no step is taken
+        if pending > 0:
             # .grad holds (pending / global batch) x this peer's mean gradient; hivemind averages
-            # contributions weighted by their samples, so hand it the mean.
-            self._scale(t.global_batch / pending)
+            # contributions weighted by their samples, so hand it the mean, clipped.
+            scale = t.global_batch / pending
+            self._scale(scale)
+            clipped = clip_contribution(self.module, self.contribution_bound)
+            if clipped < 1.0:
+                scale *= clipped
+                self.clipped += 1
+                log.info("stage %d step %d: clipped this peer's gradient by %.3g", self.stage, self.epoch, clipped)
         if force and not self.ready(pending):
             # hivemind's tracker also ends an epoch when its estimated time of arrival has passed.
             with self.opt.tracker.pause_updates():
@@ -336,8 +378,8 @@ class SwarmUpdater:
             averager = self.opt.grad_averager
             averager.local_samples_accumulated = max(0, averager.local_samples_accumulated - pending)
             averager.local_times_accumulated = max(0, averager.local_times_accumulated - 1)
-            if pending > 0:
-                self._scale(pending / t.global_batch)
+            if scale != 1.0:
+                self._scale(1.0 / scale)
             return 0
         group = self._group_size(control)
         optimizer = self.opt.state_averager.optimizer

@@ -47,6 +47,7 @@ from swarm.records import (
     REFRESH_S,
     PeerRecord,
     announce_peer,
+    maddr_peer_ids,
     make_dht,
     read_removed,
     read_stage,
@@ -88,12 +89,18 @@ class PeerDaemon:
         checkpoint_dir: Path | None = None,
         checkpoint_every: int = 50,
         announce_host: str | None = None,
+        join_token: str | None = None,
+        corrupt_outputs: float = 0.0,
+        coordinators: set[str] | None = None,
     ):
         """`checkpoint_dir` None: no checkpoints are saved or loaded. `announce_host`: the address
-        trainers dial this peer at, when it is not the listening one (NAT, containers)."""
-        self.announce_host = announce_host
+        trainers dial this peer at, when it is not the listening one (NAT, containers). `join_token`:
+        the run's join token, which the stage worker then asks of every call. `coordinators`: the
+        DHT peer ids whose removal records count (the coordinator joined through; None: anyone's)."""
+        self.announce_host, self.join_token, self.coordinators = announce_host, join_token, coordinators
         self.run, self.dht, self.device, self.host, self.port = run, dht, device, host, port
         self.delay_per_sample, self.step_log = delay_per_sample, step_log
+        self.corrupt_outputs = corrupt_outputs  # tests: a dishonest peer (StageWorker)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         peer_id = dht.peer_id.to_base58()
         self.record = PeerRecord(
@@ -133,12 +140,13 @@ class PeerDaemon:
             self.device,
             delay_per_sample=self.delay_per_sample,
             step_log=self.step_log,
+            corrupt_outputs=self.corrupt_outputs,
             dht=self.dht,
             checkpoints=checkpoints,
         )
         source = self.take_state(stage)
         # The port stays the same across moves, so the address the trainers know stays right.
-        self.server, _, self.port = start_server(self.worker, self.host, self.port)
+        self.server, _, self.port = start_server(self.worker, self.host, self.port, join_token=self.join_token)
         self.announce(
             address=announce_address(self.host, self.port, self.announce_host),
             device=self.worker.device_name,
@@ -193,7 +201,7 @@ class PeerDaemon:
 
     def removed(self) -> bool:
         """Whether the operator removed this peer from the run (through the coordinator)."""
-        return self.record.peer_id in read_removed(self.dht, self.run.run_id)
+        return self.record.peer_id in read_removed(self.dht, self.run.run_id, self.coordinators)
 
     def leave_stage(self, timeout: float = 0, moving_to: int | None = None) -> None:
         """Announce leaving (for stage `moving_to`, if moving), let in-flight requests finish (new
@@ -259,9 +267,11 @@ def run_peer(
     checkpoint_every: int = 50,
     announce_host: str | None = None,
     dht_port: int = 0,
+    join_token: str | None = None,
+    corrupt_outputs: float = 0.0,
 ) -> int:
     """`announce_host`: the address others reach this peer at (gRPC and DHT), when it is not the one
-    it listens on; `dht_port`: the DHT's port (0: any free one).
+    it listens on; `dht_port`: the DHT's port (0: any free one); `join_token`: the run's join token.
     `checkpoint_dir`: where to save and resume the stage's checkpoints (None: nowhere), checked
     before anything starts."""
     if checkpoint_dir is not None:
@@ -269,7 +279,7 @@ def run_peer(
             checkpoint_dir = writable_dir(checkpoint_dir)
         except OSError as err:
             raise ConfigError(f"--checkpoint-dir: cannot write to {checkpoint_dir}: {err.strerror or err}") from None
-    run, initial_peers = fetch_join(coordinator)
+    run, initial_peers = fetch_join(coordinator, join_token=join_token)
     if stage is not None and not 0 <= stage < run.stages.count:
         raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
     if threads:
@@ -292,6 +302,9 @@ def run_peer(
         checkpoint_dir,
         checkpoint_every,
         announce_host=announce_host,
+        join_token=join_token,
+        corrupt_outputs=corrupt_outputs,
+        coordinators=maddr_peer_ids(initial_peers),
     )
     try:
         if stage is None:

@@ -16,6 +16,7 @@ from concurrent import futures
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from peer.auth import JoinTokenCheck
 from peer.requests import RequestError, StageShape, check_target, invalid, parse_backward, parse_forward
 from peer.worker import StageWorker
 from swarm import __version__
@@ -151,11 +152,16 @@ class StageService:
 
 
 def start_server(
-    worker: StageWorker, host: str, port: int, max_threads: int = 32
+    worker: StageWorker, host: str, port: int, max_threads: int = 32, join_token: str | None = None
 ) -> tuple[grpc.Server, StageService, int]:
-    """Start serving; returns the server, the service and the bound port (useful with port 0)."""
+    """Start serving; returns the server, the service and the bound port (useful with port 0). With
+    `join_token`, every call must carry it (peer/auth.py)."""
     service = StageService(worker)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads), options=grpc_options(worker.run))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_threads),
+        options=grpc_options(worker.run),
+        interceptors=[JoinTokenCheck(join_token)] if join_token else None,
+    )
     server.add_generic_rpc_handlers((service.generic_handler(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

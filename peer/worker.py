@@ -140,11 +140,14 @@ class StageWorker:
         step_log: Path | None = None,
         dht=None,
         checkpoints: CheckpointWriter | None = None,
+        corrupt_outputs: float = 0.0,
     ):
         """`delay_per_sample` (seconds) slows the worker down, to stand in for a slower device in tests;
         `step_log` gets one JSON line per optimizer step naming the microbatches it applied; with a
         `dht`, the worker averages its steps with the other peers of its stage; `checkpoints` saves
-        the stage's state every so many steps (closed with the worker)."""
+        the stage's state every so many steps (closed with the worker); `corrupt_outputs` (tests: a
+        dishonest peer) adds Gaussian noise of that scale, relative to their RMS, to forward outputs."""
+        self.corrupt_outputs = corrupt_outputs
         self.run, self.stage_index, self.device = run, stage, device
         self.delay_per_sample, self.step_log, self.checkpoints = delay_per_sample, step_log, checkpoints
         self.pending_ids: list[str] = []  # microbatches accumulated since the last step
@@ -344,7 +347,7 @@ class StageWorker:
         with torch.set_grad_enabled(cache), autocast(self.device, self.run.model.dtype):
             if cache and not self.stage.is_first:
                 x.requires_grad_(True)
-            out = self.stage(x)
+            out = self._corrupt(self.stage(x))
         if cache:
             with self._cache_lock:
                 self.cache[first.microbatch_id] = CachedForward(x, out, self.optimizer_steps)
@@ -361,7 +364,7 @@ class StageWorker:
             if train and not self.stage.is_first:
                 x.requires_grad_(True)
             with autocast(self.device, self.run.model.dtype):
-                logits = self.stage(x)
+                logits = self._corrupt(self.stage(x))
             per_sample = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").mean(dim=1)
             sizes = [t.work.inputs.shape[0] for t in batch]
             losses = [chunk.mean() for chunk in per_sample.split(sizes)]
@@ -371,6 +374,13 @@ class StageWorker:
                 self._served(batch)
         grads = self._split(x.grad if train and not self.stage.is_first else None, batch)
         return [ForwardResult(loss=float(loss.detach()), input_grad=g) for loss, g in zip(losses, grads, strict=True)]
+
+    def _corrupt(self, out: torch.Tensor) -> torch.Tensor:
+        if not self.corrupt_outputs:
+            return out
+        with torch.no_grad():
+            noise = torch.randn_like(out) * (self.corrupt_outputs * out.float().pow(2).mean().sqrt())
+        return out + noise
 
     def _backward(self, batch: list[_Task]) -> list[torch.Tensor | None | Exception]:
         results: list[torch.Tensor | None | Exception] = [None] * len(batch)

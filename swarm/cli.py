@@ -90,6 +90,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             log_json=args.log_json,
             call_timeout=args.call_timeout,
             data=args.data,
+            verify_fraction=args.verify_fraction,
+            join_token=args.join_token,
         )
         return 0
     if not args.config:
@@ -152,6 +154,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             announce_host=args.announce_host,
             dht_port=args.dht_port,
+            join_token=args.join_token,
+            corrupt_outputs=args.corrupt_outputs,
         )
         exit_now(code)
     if not args.config or args.stage is None:
@@ -178,6 +182,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         state_dir=state_dir,
         token=token,
         announce_host=args.announce_host,
+        join_token=args.join_token,
     )
 
 
@@ -208,6 +213,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    value = non_negative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} must be between 0 and 1")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = non_negative_float(text)
     if value == 0:
@@ -225,7 +237,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from swarm.export import export_swarm
 
     export_swarm(
-        args.coordinator, args.out, timeout=args.timeout, note=lambda text: print(text, flush=True), force=args.force
+        args.coordinator,
+        args.out,
+        timeout=args.timeout,
+        note=lambda text: print(text, flush=True),
+        force=args.force,
+        join_token=args.join_token,
     )
     return 0
 
@@ -251,6 +268,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(args.prompt + text, flush=True)
     print(f"{args.max_new_tokens} bytes in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
+
+
+def add_join_token(parser: argparse.ArgumentParser, what: str) -> None:
+    # The environment keeps the token out of `ps`; a flag is there for a quick try.
+    parser.add_argument(
+        "--join-token",
+        metavar="TOKEN",
+        default=os.environ.get("SWARM_JOIN_TOKEN") or None,
+        help=f"{what} (default: $SWARM_JOIN_TOKEN, which, unlike the flag, other users of the machine cannot see)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,6 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", type=data_path, metavar="PATH", help="train on these text files (file or folder), not the run's data"
     )
     train.add_argument("--call-timeout", type=float, default=60.0, help="seconds before a call is retried elsewhere")
+    train.add_argument(
+        "--verify-fraction",
+        type=fraction,
+        metavar="F",
+        help="with --coordinator: share of forward calls spot-checked on a second peer (default: the run's "
+        "verify.fraction; 0 disables)",
+    )
+    add_join_token(train, "with --coordinator: the run's join token, if it has one")
     train.set_defaults(func=cmd_train)
 
     peer = sub.add_parser(
@@ -309,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--no-rebalance", action="store_true", help="stay on the first stage (never move)")
     peer.add_argument("--delay-per-sample", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow device
     peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)  # tests: applied microbatches
+    # tests: a dishonest peer, adding Gaussian noise of this scale (x the outputs' RMS) to its forward outputs
+    peer.add_argument("--corrupt-outputs", type=float, default=0.0, help=argparse.SUPPRESS)
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
     peer.add_argument("--dht-port", type=port_number, default=0, help="the DHT node's port (default: any free port)")
@@ -341,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=50,
         help="with --coordinator: save a checkpoint every N optimizer steps (default 50)",
     )
+    add_join_token(peer, "with --coordinator: the run's join token, if it has one")
     peer.set_defaults(func=cmd_peer)
 
     coord = sub.add_parser(
@@ -369,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--token",
         help="operator token for the control endpoints (default: $SWARM_TOKEN; without one, control is disabled)",
     )
+    add_join_token(coord, "peers and trainers must give this token to join (without one, anyone may join)")
     coord.set_defaults(func=cmd_coordinator)
 
     export = sub.add_parser(
@@ -391,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds to wait for all stages to reach the same optimizer step (default 60)",
     )
+    add_join_token(export, "the run's join token, if it has one")
     export.set_defaults(func=cmd_export)
 
     generate = sub.add_parser(

@@ -11,6 +11,11 @@ from swarm.config import RunConfig
 from swarm.rpc import pb
 
 SERVICE = "/swarm.Stage/"
+AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
+
+
+def bearer(token: str) -> str:
+    return f"Bearer {token}"
 
 
 def grpc_options(run: RunConfig) -> list[tuple[str, int]]:
@@ -26,8 +31,11 @@ def grpc_options(run: RunConfig) -> list[tuple[str, int]]:
 
 
 class StageClient:
-    def __init__(self, address: str, run: RunConfig, timeout: float = 120.0):
+    def __init__(self, address: str, run: RunConfig, timeout: float = 120.0, join_token: str | None = None):
+        """`join_token`: the run's join token, sent with every call (stage workers of a run that has
+        one refuse calls without it)."""
         self.address, self.run, self.timeout = address, run, timeout
+        self._metadata = ((AUTH_METADATA_KEY, bearer(join_token)),) if join_token else None
         self.channel = grpc.insecure_channel(address, options=grpc_options(run))
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -59,7 +67,7 @@ class StageClient:
         return parse
 
     def call(self, method: str, request: Message, timeout: float | None = None) -> Message:
-        return self._methods[method](request, timeout=timeout or self.timeout)
+        return self._methods[method](request, timeout=timeout or self.timeout, metadata=self._metadata)
 
     def forward(
         self,

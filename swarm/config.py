@@ -155,6 +155,9 @@ class AveragingConfig(_Strict):
     sync_timeout_s: float = Field(
         5.0, gt=0, description="after the trainer moved on, wait this long for the stage's sample count"
     )
+    contribution_clip: float = Field(
+        10.0, ge=0, description="clip each peer's gradient to this many x training.grad_clip before averaging; 0: off"
+    )
 
     @model_validator(mode="after")
     def _timeouts(self) -> AveragingConfig:
@@ -164,6 +167,26 @@ class AveragingConfig(_Strict):
                 f"({self.matchmaking_time_s})"
             )
         return self
+
+
+class VerifyConfig(_Strict):
+    """Spot checks: the trainer re-sends some forward calls to a second peer of the stage and
+    compares the answers (swarm/verify.py)."""
+
+    fraction: float = Field(
+        0.02, ge=0, le=1, description="share of training forward calls also sent to a second peer; 0 disables checks"
+    )
+    first_checks: int = Field(
+        2,
+        ge=0,
+        description="until each peer passed this many checks (after joining, after a strike), all calls are checked",
+    )
+    strikes: int = Field(
+        2, ge=1, description="times a peer is outvoted (its answer against two that agree) before the trainer bans it"
+    )
+    rtol: float | None = Field(
+        None, gt=0, description="relative tolerance, norm(a - b) / norm(a) (default: from model.dtype and wire.codec)"
+    )
 
 
 class RunConfig(_Strict):
@@ -177,6 +200,7 @@ class RunConfig(_Strict):
     serve: ServeConfig = ServeConfig()
     rebalance: RebalanceConfig = RebalanceConfig()
     averaging: AveragingConfig = AveragingConfig()
+    verify: VerifyConfig = VerifyConfig()
     data: DataConfig = DataConfig()
 
     @model_validator(mode="after")

@@ -266,13 +266,15 @@ class StageWeights:
     peer: PeerRecord
 
 
-def fetch_stage(run: RunConfig, stage: int, peers: list[PeerRecord], timeout: float, note: Callable) -> StageWeights:
+def fetch_stage(
+    run: RunConfig, stage: int, peers: list[PeerRecord], timeout: float, note: Callable, join_token: str | None = None
+) -> StageWeights:
     """The stage's weights from the first of `peers` that hands over a complete, well-formed set."""
     with torch.device("meta"):  # shapes only: no memory, no init
         expected = {name: tuple(p.shape) for name, p in Stage(run, stage).named_parameters()}
     failures = []
     for peer in peers:
-        client = StageClient(peer.address, run, timeout=timeout)
+        client = StageClient(peer.address, run, timeout=timeout, join_token=join_token)
         try:
             response = client.parameters(stage)
             tensors = _checked_tensors(response, expected)
@@ -308,7 +310,9 @@ def _checked_tensors(response, expected: dict[str, tuple[int, ...]]) -> dict[str
     return got
 
 
-def gather(run: RunConfig, coordinator: str, timeout: float, note: Callable) -> list[StageWeights]:
+def gather(
+    run: RunConfig, coordinator: str, timeout: float, note: Callable, join_token: str | None = None
+) -> list[StageWeights]:
     """Every stage's weights at one common optimizer step. A stage behind the others is read again
     (a step may be completing on some stages and not yet on others) until `timeout`."""
     deadline = time.monotonic() + timeout
@@ -324,7 +328,7 @@ def gather(run: RunConfig, coordinator: str, timeout: float, note: Callable) -> 
             )
         for k in todo:
             remaining = max(deadline - time.monotonic(), 10.0)
-            w = gathered[k] = fetch_stage(run, k, live[k], remaining, note)
+            w = gathered[k] = fetch_stage(run, k, live[k], remaining, note, join_token)
             params = sum(t.numel() for t in w.tensors.values())
             layers = run.stage_layers(k)
             note(
@@ -435,14 +439,20 @@ def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
 
 
 def export_swarm(
-    coordinator: str, out: Path, timeout: float = 60.0, note: Callable[[str], None] = print, force: bool = False
+    coordinator: str,
+    out: Path,
+    timeout: float = 60.0,
+    note: Callable[[str], None] = print,
+    force: bool = False,
+    join_token: str | None = None,
 ) -> ExportInfo:
-    """Gather the run's model from its live peers into `out` (see the module docstring)."""
+    """Gather the run's model from its live peers into `out` (see the module docstring); `join_token`:
+    the run's join token, for the coordinator's /api/v1/join and the peers."""
     out = Path(out)
     check_out(out, force)
-    run, _ = fetch_join(coordinator)
+    run, _ = fetch_join(coordinator, join_token=join_token)
     note(f"exporting run {run.run_id!r}: {run.stages.count} stages, {run.model.n_layers} layers")
-    stages = gather(run, coordinator, timeout, note)
+    stages = gather(run, coordinator, timeout, note, join_token)
     size = write_export(out, run, stages, coordinator, force)
     parameters = sum(t.numel() for w in stages for t in w.tensors.values())
     info = ExportInfo(

@@ -9,21 +9,39 @@ every `CONTROL_REFRESH_S` with a time to live of `CONTROL_TTL_S`, so the pause o
 died lapses by itself and training goes on; and `{run_id}/removed` with subkey = the peer id of each
 peer the operator removed from the run.
 
+Every record is signed by its writer. Its subkey is the id named above followed by the writer's
+public key as hivemind's RSASignatureValidator marks it (`[owner:ssh-rsa ...]`), and every DHT node
+of the run runs that validator: a node stores, and a reader takes, a record under such a subkey only
+when it is signed by the matching private key. So nobody can overwrite another's record, and readers
+count only owned subkeys (an unsigned record is ignored) whose id is the one inside the record. The
+coordinator signs with its DHT identity's key, so peers and trainers take the operator's word (the
+control and removed records) only from the coordinator they joined through, known by its peer id.
+
 Reading is forgiving: a value that does not parse as a record is skipped (and logged), so one
 misbehaving peer cannot break everybody's view of the swarm.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import ipaddress
 import logging
+import re
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import hivemind
+import multihash
+from cryptography.hazmat.primitives import serialization
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarm import __version__
@@ -73,6 +91,10 @@ class TrainerRecord(BaseModel):
     failures: int = Field(0, ge=0)  # calls that failed and were retried on another peer
     bans: int = Field(0, ge=0)  # times a failing peer was banned
     wire_bytes: int = Field(0, ge=0)  # bytes sent and received by its stage calls
+    spot_checks: int = Field(0, ge=0)  # forward answers compared with a second peer's (swarm/verify.py)
+    spot_disagreements: int = Field(0, ge=0)  # ... that differed beyond the tolerance
+    spot_bans: int = Field(0, ge=0)  # peers banned for answers outvoted by two agreeing peers
+    spot_banned: dict[str, int] = Field(default_factory=dict)  # their peer ids -> their stage
     updated: float = 0.0
 
 
@@ -118,8 +140,15 @@ def make_dht(
     client_mode: bool = False,
     identity_path: Path | None = None,
     announce_host: str | None = None,
+    record_key: RSAPrivateKey | None = None,
 ) -> hivemind.DHT:
-    """A DHT node listening on HOST:PORT (hivemind's default is loopback only). With `identity_path`
+    """A DHT node listening on HOST:PORT (hivemind's default is loopback only) that signs the records
+    it stores with `record_key` and refuses records not signed by their owner (see the module
+    docstring). The default key is the process-wide one, the key hivemind's Optimizer signs its
+    progress records with: the DHT merges all signature validators into its first one, so the node
+    must sign with that same key or the Optimizer's records would go out unsigned; a node with an
+    `identity_path` signs with its identity's key, so its records can be told by its peer id (see
+    `read_control`). With `identity_path`
     (a private key file, created when missing) the node keeps its peer id across restarts, so on
     the same port it keeps its multiaddrs too. With `announce_host` (the address others reach this
     machine at: a public IP or name, a forwarded router's) the node tells others only that address,
@@ -132,14 +161,48 @@ def make_dht(
             port = free_port(host)
             maddrs = [f"/ip4/{host}/tcp/{port}"]
         extra["announce_maddrs"] = [host_maddr(announce_host, port)]
-    return hivemind.DHT(
+    if record_key is None and identity_path is not None:
+        record_key = identity_key(identity_path)
+    validator = RSASignatureValidator(record_key)
+    dht = hivemind.DHT(
         initial_peers=initial_peers or None,
         host_maddrs=maddrs,
         client_mode=client_mode,
+        record_validators=[validator],
         start=True,
         await_ready=True,
         **extra,
     )
+    dht.record_owner = validator.local_public_key.decode()  # what this node's subkeys end with
+    return dht
+
+
+def identity_key(path: Path) -> RSAPrivateKey:
+    """The RSA key of a DHT identity file (libp2p's format, as hivemind writes it), created when
+    missing: a node started with it signs its records with the key its peer id derives from."""
+    if not path.exists():
+        P2P.generate_identity(str(path))
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": crypto_pb2.PrivateKey.FromString(path.read_bytes()).data})  # as unpickled
+    return key
+
+
+@functools.lru_cache(maxsize=256)
+def signer_peer_id(public_key: str) -> str | None:
+    """The DHT peer id that the RSA `public_key` of an owner marker derives from (libp2p's rule, as in
+    hivemind's PeerID.from_identity); None for a key that does not parse."""
+    try:
+        public = serialization.load_ssh_public_key(public_key.encode())
+    except (ValueError, TypeError):
+        return None
+    der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), "sha2-256")).to_base58()
+
+
+def maddr_peer_ids(maddrs: list[str]) -> set[str]:
+    """The peer ids in multiaddrs (`.../p2p/PEER_ID`), e.g. the coordinator's from /api/v1/join."""
+    return {m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m}
 
 
 def host_maddr(host: str, port: int) -> str:
@@ -161,9 +224,20 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(m) for m in dht.get_visible_maddrs()]
 
 
-def _store(dht: hivemind.DHT, key: str, subkey: str, value: dict, ttl: float, timeout: float | None) -> bool:
-    """Store a record; with `timeout`, give up (False) when the DHT does not confirm in time."""
+# RSASignatureValidator's marker of an owned key or subkey, `[owner:PUBLIC KEY]`, as text.
+OWNER_MARKER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX.decode())
+
+
+def owned_subkey(dht: hivemind.DHT, name: str) -> str:
+    """The subkey of this node's record `name`: only this node can sign a record under it."""
+    return name + dht.record_owner
+
+
+def _store(dht: hivemind.DHT, key: str, name: str, value: dict, ttl: float, timeout: float | None) -> bool:
+    """Store this node's record `name` (signed); with `timeout`, give up (False) when the DHT does not
+    confirm in time."""
     now = get_dht_time()
+    subkey = owned_subkey(dht, name)
     future = dht.store(key, dict(value, updated=now), expiration_time=now + ttl, subkey=subkey, return_future=True)
     try:
         return bool(future.result(timeout=timeout))
@@ -204,36 +278,57 @@ def shutdown_dht(dht: hivemind.DHT) -> None:
         dht.join(timeout=3)
 
 
-def _read(dht: hivemind.DHT, key: str, model: type[BaseModel]) -> list:
+def _read(
+    dht: hivemind.DHT, key: str, model: type[BaseModel], id_of: Callable, signers: set[str] | None = None
+) -> list:
+    """The records under `key` that are owned (their subkey names them and ends in their writer's
+    key, which the DHT checked the signature against) and well-formed; with `signers`, only those
+    signed with the identity key of one of these DHT peer ids. `id_of(record)` must be the name in
+    the subkey: a writer cannot pass its record off as another's."""
     found = dht.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
     records = []
     for subkey, item in found.value.items():
+        marker = OWNER_MARKER.search(subkey) if isinstance(subkey, str) else None
+        if marker is None:
+            log.warning("ignoring an unsigned record under %s", key)
+            continue
+        name = subkey[: marker.start()]
+        if signers is not None and signer_peer_id(marker.group(1)) not in signers:
+            continue
         try:
-            records.append(model.model_validate(item.value))
+            record = model.model_validate(item.value)
         except (ValidationError, AttributeError, TypeError) as err:
-            log.warning("ignoring a malformed record under %s/%s: %s", key, subkey, err)
+            log.warning("ignoring a malformed record under %s/%s: %s", key, name, err)
+            continue
+        if id_of(record) != name:
+            log.warning("ignoring a record under %s/%s that names %r", key, name, id_of(record))
+            continue
+        records.append(record)
     return records
 
 
 def read_stage(dht: hivemind.DHT, run_id: str, stage: int) -> list[PeerRecord]:
-    return [r for r in _read(dht, stage_key(run_id, stage), PeerRecord) if r.stage == stage]
+    records = _read(dht, stage_key(run_id, stage), PeerRecord, lambda r: r.peer_id)
+    return [r for r in records if r.stage == stage]
 
 
 def read_trainers(dht: hivemind.DHT, run_id: str) -> list[TrainerRecord]:
-    return _read(dht, trainers_key(run_id), TrainerRecord)
+    return _read(dht, trainers_key(run_id), TrainerRecord, lambda r: r.trainer_id)
 
 
-def read_control(dht: hivemind.DHT, run_id: str) -> ControlState:
+def read_control(dht: hivemind.DHT, run_id: str, coordinators: set[str] | None = None) -> ControlState:
     """The run's control record; when there is none (never stored, or its coordinator has been gone
-    for CONTROL_TTL_S) the run is not paused."""
-    return max(_read(dht, control_key(run_id), ControlState), key=lambda c: c.updated, default=ControlState())
+    for CONTROL_TTL_S) the run is not paused. With `coordinators` (DHT peer ids, see
+    `maddr_peer_ids`), only what those coordinators signed counts: the operator's word is theirs."""
+    records = _read(dht, control_key(run_id), ControlState, lambda _: CONTROL_SUBKEY, coordinators)
+    return max(records, key=lambda c: c.updated, default=ControlState())
 
 
-def read_removed(dht: hivemind.DHT, run_id: str) -> set[str]:
-    """Peer ids the operator removed from the run."""
-    return {r.peer_id for r in _read(dht, removed_key(run_id), RemovedRecord)}
+def read_removed(dht: hivemind.DHT, run_id: str, coordinators: set[str] | None = None) -> set[str]:
+    """Peer ids the operator removed from the run (with `coordinators`: through one of those)."""
+    return {r.peer_id for r in _read(dht, removed_key(run_id), RemovedRecord, lambda r: r.peer_id, coordinators)}
 
 
 class SwarmView(BaseModel):

@@ -94,6 +94,10 @@ class Router:
                 # Keep what we observed ourselves; the announcement only matters until then.
                 peer.announced = claimed
 
+    def remove(self, peer: str) -> None:
+        """Forget `peer` until `update_peers` lists it again (a caller that bans it for good stops listing it)."""
+        self._peers.pop(peer, None)
+
     def is_banned(self, peer: str, now: float) -> bool:
         state = self._peers.get(peer)
         return state is not None and now < state.banned_until
@@ -134,6 +138,14 @@ class Router:
         state.failures = 0
         state.banned_until = -math.inf
         self._release(state, samples, now)
+
+    def returned(self, peer: str, samples: int, now: float) -> None:
+        """A call to `peer` answered that says nothing of its training speed (an evaluation forward, far
+        cheaper than a training call): release the reserved work, learn nothing from the time it took."""
+        _check_samples(samples)
+        state = self._peers.get(peer)
+        if state is not None:
+            self._release(state, samples, now)
 
     def failed(self, peer: str, samples: int, now: float) -> float:
         """A call to `peer` failed or timed out: ban it with exponential back-off. Returns the ban length (s)."""

@@ -69,6 +69,12 @@ class Pipeline:
         """Run `fn` against a worker of `stage`; returns its answer and which worker gave it."""
         return fn(self.clients[stage]), str(stage)
 
+    def forward(
+        self, stage: int, samples: int, name: str, train: bool, send: Callable[[StageClient, bool], pb.ForwardResponse]
+    ) -> tuple[pb.ForwardResponse, str]:
+        """One forward call of microbatch `name` to `stage`; `send(client, train)` makes it."""
+        return self.call(stage, samples, lambda c: send(c, train))
+
     def microbatch(self, batch: Batch, step: int, name: str, train: bool = True) -> float:
         """Forward (and, when training, backward) one microbatch through every stage; its loss."""
         mb_id = f"{self.trace}-{name}"
@@ -77,15 +83,19 @@ class Pipeline:
         inputs: list[pb.Tensor] = [encode(batch.inputs)]
         served_by: list[str] = []
         for k in range(last):
-            out, peer = self.call(k, samples, lambda c, k=k: c.forward(k, inputs[k], mb_id, step, train=train))
+            out, peer = self.forward(
+                k, samples, name, train, lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t)
+            )
             inputs.append(out.output)
             served_by.append(peer)
         scale = samples / self.run.training.global_batch
         targets = encode(batch.targets)
-        out, _ = self.call(
+        out, _ = self.forward(
             last,
             samples,
-            lambda c: c.forward(last, inputs[last], mb_id, step, targets=targets, train=train, loss_scale=scale),
+            name,
+            train,
+            lambda c, t: c.forward(last, inputs[last], mb_id, step, targets=targets, train=t, loss_scale=scale),
         )
         if train:
             grad = out.input_grad
@@ -99,6 +109,10 @@ class Pipeline:
 
     def bytes_on_wire(self) -> int:
         return sum(c.bytes_sent + c.bytes_received for c in self.clients)
+
+    def counts(self) -> dict:
+        """More counters for the `--log-json` lines and the summary (a swarm's spot checks)."""
+        return {}
 
     def close(self) -> None:
         for c in self.clients:
@@ -162,6 +176,7 @@ def run_training(
                 wire_bytes=pipe.bytes_on_wire(),
                 microbatches=done,
                 failures=pipe.failures,
+                **pipe.counts(),
             )
             if on_step:
                 on_step(record)
@@ -176,6 +191,7 @@ def run_training(
             "wire bytes": f"{wire:,} ({wire / tokens:,.0f} per token)",
             "microbatches": f"{done:,}",
             "failed calls retried": pipe.failures,
+            **{k.replace("_", " "): v for k, v in pipe.counts().items()},
         },
     )
     return log.records

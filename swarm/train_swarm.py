@@ -12,13 +12,15 @@ while the run is paused no new global step starts.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TypeVar
 
 import grpc
+import torch
 
 from swarm.client import StageClient
 from swarm.config import RunConfig
@@ -28,6 +30,7 @@ from swarm.records import (
     ControlState,
     TrainerRecord,
     announce_trainer,
+    maddr_peer_ids,
     make_dht,
     read_control,
     read_removed,
@@ -35,7 +38,10 @@ from swarm.records import (
     shutdown_dht,
 )
 from swarm.routing import Router
+from swarm.rpc import pb
 from swarm.train_pipeline import Pipeline, run_training
+from swarm.verify import SpotChecks, tolerance
+from swarm.wire import decode
 
 T = TypeVar("T")
 
@@ -51,11 +57,18 @@ class SwarmPipeline(Pipeline):
         call_timeout: float = 60.0,
         public_name: str = "",
         refresh_s: float = 2.0,
+        join_token: str | None = None,
     ):
+        """`run.verify`: how many forward calls are spot-checked (swarm/verify.py); `join_token`: the
+        run's join token, sent with every call."""
         self.run, self.num_stages = run, run.stages.count
+        self.join_token = join_token
+        v = run.verify
+        self.spot = SpotChecks(self.num_stages, v.fraction, v.strikes, v.first_checks, run.training.seed)
         self.call_timeout = call_timeout
         self.trace = uuid.uuid4().hex[:12]
         self.dht = make_dht(initial_peers, client_mode=True)
+        self.coordinators = maddr_peer_ids(initial_peers)  # whose word on pauses and removals counts
         self.trainer = TrainerRecord(trainer_id=self.trace, public_name=public_name or f"trainer-{self.trace[:6]}")
         self.routers = [Router() for _ in range(self.num_stages)]
         self.addresses: list[dict[str, str]] = [{} for _ in range(self.num_stages)]
@@ -74,13 +87,13 @@ class SwarmPipeline(Pipeline):
 
     def refresh(self) -> None:
         view = read_swarm(self.dht, self.run.run_id, self.num_stages)
-        removed = read_removed(self.dht, self.run.run_id)  # by the operator: they are leaving
-        control = read_control(self.dht, self.run.run_id)
+        removed = read_removed(self.dht, self.run.run_id, self.coordinators)  # by the operator: they are leaving
+        control = read_control(self.dht, self.run.run_id, self.coordinators)
         now = time.monotonic()
         with self.lock:
             self.control = control
             for k in range(self.num_stages):
-                online = [p for p in view.online(k) if p.peer_id not in removed]
+                online = [p for p in view.online(k) if p.peer_id not in removed and p.peer_id not in self.spot.banned]
                 self.routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
                 self.addresses[k] = {p.peer_id: p.address for p in online}
 
@@ -116,6 +129,10 @@ class SwarmPipeline(Pipeline):
                 "failures": record["failures"],
                 "bans": self.bans,
                 "wire_bytes": record["wire_bytes"],
+                "spot_checks": self.spot.checks,
+                "spot_disagreements": self.spot.disagreements,
+                "spot_bans": len(self.spot.banned),
+                "spot_banned": dict(self.spot.banned),
             }
         )
 
@@ -124,12 +141,22 @@ class SwarmPipeline(Pipeline):
     def client(self, address: str) -> StageClient:
         with self.lock:
             if address not in self.clients:
-                self.clients[address] = StageClient(address, self.run, timeout=self.call_timeout)
+                self.clients[address] = StageClient(
+                    address, self.run, timeout=self.call_timeout, join_token=self.join_token
+                )
             return self.clients[address]
 
     def call(
-        self, stage: int, samples: int, fn: Callable[[StageClient], T], prefer: str | None = None
+        self,
+        stage: int,
+        samples: int,
+        fn: Callable[[StageClient], T],
+        prefer: str | None = None,
+        avoid: Collection[str] = (),
+        timed: bool = True,
     ) -> tuple[T, str]:
+        """`prefer`: try this peer first; `avoid`: these peers only when no other one is usable; `timed`:
+        the call's time tells the peer's training speed (False for a spot check's evaluation forward)."""
         tried: set[str] = set()
         waited = False
         while True:
@@ -139,6 +166,8 @@ class SwarmPipeline(Pipeline):
                 if prefer and prefer not in tried and prefer in self.addresses[stage]:
                     others = set(router.peers) - {prefer}
                     peer = router.pick(samples, now, exclude=others)
+                if peer is None and avoid:
+                    peer = router.pick(samples, now, exclude=tried | set(avoid))
                 if peer is None:
                     peer = router.pick(samples, now, exclude=tried)
                 address = self.addresses[stage].get(peer) if peer else None
@@ -168,8 +197,72 @@ class SwarmPipeline(Pipeline):
                 continue
             elapsed = time.monotonic() - start - getattr(response, "queue_s", 0.0)
             with self.lock:
-                router.done(peer, samples, elapsed, time.monotonic())
+                if timed:
+                    router.done(peer, samples, elapsed, time.monotonic())
+                else:
+                    router.returned(peer, samples, time.monotonic())
             return response, peer
+
+    # -- spot checks (swarm/verify.py) -------------------------------------------------------
+
+    def forward(
+        self, stage: int, samples: int, name: str, train: bool, send: Callable[[StageClient, bool], pb.ForwardResponse]
+    ) -> tuple[pb.ForwardResponse, str]:
+        with self.lock:
+            now = time.monotonic()
+            peers = [p for p in self.addresses[stage] if not self.routers[stage].is_banned(p, now)]
+        if not train or not self.spot.due(stage, name, peers):
+            return super().forward(stage, samples, name, train, send)
+        # The check goes first, as an evaluation forward (no gradient): on the last stage the
+        # training forward completes the microbatch's gradient, the stage may step right after it,
+        # and an evaluation sent then could see the next step's weights.
+        check, checker = self.call(
+            stage, samples, lambda c: send(c, False), prefer=self.spot.checker(stage, peers), timed=False
+        )
+        out, peer = self.call(stage, samples, lambda c: send(c, True), avoid={checker})
+        if peer == checker:  # no other peer could answer: nothing to compare
+            return out, peer
+        last = stage == self.num_stages - 1
+        rtol = self.run.verify.rtol or tolerance(self.run.wire.codec, self.run.model.dtype, encoded=not last)
+
+        def arbiter() -> tuple[str, torch.Tensor] | None:
+            others = [p for p in peers if p not in (peer, checker) and p not in self.spot.banned]
+            if not others:
+                return None
+            third, who = self.call(
+                stage,
+                samples,
+                lambda c: send(c, False),
+                prefer=self.spot.checker(stage, others),
+                avoid={peer, checker},
+                timed=False,
+            )
+            return (who, self._answer(third, last)) if who not in (peer, checker) else None
+
+        answers = [(peer, self._answer(out, last)), (checker, self._answer(check, last))]
+        verdict = self.spot.judge(stage, answers, rtol, arbiter)
+        if verdict.banned:
+            with self.lock:
+                self.routers[stage].remove(verdict.odd)
+                self.addresses[stage].pop(verdict.odd, None)
+            text = f"spot check: banned peer {verdict.odd} of stage {stage} at microbatch {name}"
+            self.events.append(text)
+            print(text, file=sys.stderr, flush=True)
+        if verdict.odd == peer and not last:
+            return check, checker  # pass the agreed hidden states on, not the outvoted ones
+        return out, peer
+
+    @staticmethod
+    def _answer(response: pb.ForwardResponse, last: bool) -> torch.Tensor:
+        """What a check compares: the hidden states, or on the last stage the microbatch's loss."""
+        return torch.tensor([response.loss]) if last else decode(response.output, "output")
+
+    def counts(self) -> dict:
+        return {
+            "spot_checks": self.spot.checks,
+            "spot_disagreements": self.spot.disagreements,
+            "spot_bans": len(self.spot.banned),
+        }
 
     def bytes_on_wire(self) -> int:
         with self.lock:
@@ -193,13 +286,19 @@ def train_swarm(
     call_timeout: float = 60.0,
     public_name: str = "",
     data: str | None = None,
+    verify_fraction: float | None = None,
+    join_token: str | None = None,
 ) -> list[dict]:
     """Train through the run's swarm; `data`: text files (a file or a folder) to train on instead of
-    the run's own data section (the run's model, schedule and batches stay the coordinator's)."""
-    run, initial_peers = fetch_join(coordinator)
+    the run's own data section (the run's model, schedule and batches stay the coordinator's);
+    `verify_fraction`: the share of forward calls spot-checked, instead of the run's `verify.fraction`;
+    `join_token`: the run's join token (for the coordinator and every stage worker)."""
+    run, initial_peers = fetch_join(coordinator, join_token=join_token)
     if data:
         run = run.with_data(data)
-    pipe = SwarmPipeline(run, initial_peers, call_timeout=call_timeout, public_name=public_name)
+    if verify_fraction is not None:
+        run = run.model_copy(update={"verify": run.verify.model_copy(update={"fraction": verify_fraction})})
+    pipe = SwarmPipeline(run, initial_peers, call_timeout=call_timeout, public_name=public_name, join_token=join_token)
     steps = steps or run.training.steps
     start = pipe.swarm_step()
     desc = f"train ({run.stages.count} stages via {coordinator}, {inflight} in flight)"

@@ -1,5 +1,6 @@
-"""Per-stage gradient averaging with real processes: replicas stay equal, late joiners take the
-stage's state, and an unequal swarm rebalances close to the best assignment."""
+"""Per-stage gradient averaging: what a peer hands to the average (pure, real tensors); then with
+real processes: replicas stay equal, late joiners take the stage's state, and an unequal swarm
+rebalances close to the best assignment."""
 
 from __future__ import annotations
 
@@ -9,14 +10,93 @@ import pytest
 import torch
 
 from benchmarks.rebalance import best_min_total, stage_totals
+from peer.averaging import clip_contribution, drop_grads, grads_finite
 from swarm.client import StageClient
 from swarm.config import load_config
-from swarm.model import Stage
+from swarm.data import TokenStream
+from swarm.model import Stage, build_stages, lm_loss
 from swarm.wire import decode, encode
 from tests.processes import wait_for_state
 from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
 
 FAST_AVERAGING = "\n[averaging]\nmatchmaking_time_s = 0.5\nrequest_timeout_s = 0.3\n"
+RUN = load_config(TINY)
+
+
+# -- what a peer hands to the average (no network) --------------------------------------------
+
+
+def flat_grad(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+
+
+def set_grad(module: torch.nn.Module, flat: torch.Tensor) -> None:
+    for p, g in zip(module.parameters(), flat.split([p.numel() for p in module.parameters()]), strict=True):
+        p.grad = g.view_as(p).clone()
+
+
+def honest_gradients(peers: int) -> list[torch.Tensor]:
+    """Stage 1's gradient of the tiny model on `peers` different micro-batches of real text."""
+    first, last = build_stages(RUN)
+    data = TokenStream.from_config(RUN.data, RUN.model.seq_len, RUN.training.seed)
+    grads = []
+    for i in range(peers):
+        batch = data.microbatch(0, i, RUN.training.micro_batch)
+        last.zero_grad(set_to_none=True)
+        lm_loss(last(first(batch.inputs).detach()), batch.targets).backward()
+        grads.append(flat_grad(last))
+    return grads
+
+
+def test_a_contribution_longer_than_the_bound_is_clipped_to_it_and_a_shorter_one_is_left_alone():
+    module = Stage(RUN, 1)
+    g = torch.randn(sum(p.numel() for p in module.parameters()), generator=torch.Generator().manual_seed(0))
+    set_grad(module, g * (25.0 / g.norm()))
+    assert clip_contribution(module, 10.0) == pytest.approx(0.4, rel=1e-5)
+    clipped = flat_grad(module)
+    assert clipped.norm() == pytest.approx(10.0, rel=1e-5)
+    assert torch.allclose(clipped, g * (10.0 / g.norm()), rtol=1e-4, atol=1e-7)  # same direction
+    set_grad(module, g * (3.0 / g.norm()))
+    assert clip_contribution(module, 10.0) == 1.0 and torch.equal(flat_grad(module), g * (3.0 / g.norm()))
+    set_grad(module, g * 1e6)
+    assert clip_contribution(module, 0.0) == 1.0 and torch.equal(flat_grad(module), g * 1e6)  # 0: no bound
+
+
+def test_one_peers_huge_gradient_does_not_take_over_the_stages_average():
+    """Four honest peers and one whose finite gradient is 10^4 times too long, averaged with equal
+    weights: unclipped, the average points where the bad one does; clipped at the run's bound
+    (averaging.contribution_clip x training.grad_clip), it stays with the honest mean, and the
+    honest contributions themselves are not clipped."""
+    bound = RUN.averaging.contribution_clip * RUN.training.grad_clip
+    honest = honest_gradients(4)
+    bad = torch.randn(honest[0].numel(), generator=torch.Generator().manual_seed(1)) * honest[0].norm() * 1e4
+    honest_mean = torch.stack(honest).mean(0)
+    module = Stage(RUN, 1)
+
+    def contribution(g: torch.Tensor) -> tuple[torch.Tensor, float]:
+        set_grad(module, g)
+        factor = clip_contribution(module, bound)
+        return flat_grad(module), factor
+
+    clipped = [contribution(g) for g in [*honest, bad]]
+    assert [f for _, f in clipped[:4]] == [1.0] * 4 and clipped[4][1] < 1e-3
+    cos = torch.nn.functional.cosine_similarity
+    unguarded = torch.stack([*honest, bad]).mean(0)
+    guarded = torch.stack([g for g, _ in clipped]).mean(0)
+    assert cos(unguarded, honest_mean, dim=0) < 0.05
+    assert cos(guarded, honest_mean, dim=0) > 0.8
+    assert guarded.norm() <= bound
+
+
+def test_a_non_finite_gradient_is_left_out_of_the_average():
+    module = Stage(RUN, 1)
+    for bad in (float("nan"), float("inf"), 1e30):  # 1e30 is finite, but its norm is not
+        set_grad(module, torch.ones(sum(p.numel() for p in module.parameters())))
+        assert grads_finite(module)
+        next(module.parameters()).grad.view(-1)[7] = bad
+        assert not grads_finite(module)
+        drop_grads(module)
+        assert grads_finite(module) and not flat_grad(module).any()
 
 
 def config_with(tmp_path, extra: str):

@@ -3,8 +3,8 @@
 First the pure rules (which events a change of the swarm makes) and the SQLite store (it keeps
 everything across a reopen); then a real swarm (coordinator, one peer per stage, a trainer) whose
 coordinator must report the run's progress in /api/v1/state, /api/v1/history, /api/v1/events and
-/metrics, refuse bad query parameters with 422, and answer no request of a schema-driven fuzzer
-with a server error.
+/metrics, refuse bad query parameters with 422, answer no request of a schema-driven fuzzer
+with a server error ($SWARM_FUZZ_EXAMPLES per operation, default 25), and serve good requests after it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import not_a_server_error
 
+from benchmarks.fuzz import examples, rest_still_serves
 from coordinator.events import Event, diff_events
 from coordinator.history import History, HistoryPoint, HistoryRecorder
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
@@ -246,7 +247,7 @@ schema = schemathesis.pytest.from_fixture("live_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_request_gets_a_server_error(case):
     if case.method == "GET":
         case.call_and_validate()  # and every response matches its schema
@@ -254,3 +255,10 @@ def test_no_request_gets_a_server_error(case):
         # Started without --token, the operator's endpoints answer 403 to everyone: nothing changes
         # (by design 403, not the 401 a missing Authorization header would otherwise get).
         case.call_and_validate(checks=[not_a_server_error])
+
+
+def test_after_the_fuzz_the_coordinator_still_serves_good_requests(trained: Swarm):
+    assert trained.coordinator.popen.poll() is None, trained.coordinator.output()[-3000:]
+    rest_still_serves(trained.url)
+    state = wait_for_state(trained.url, lambda s: s["global_step"] >= 8)
+    assert {p["public_name"] for st in state["stages"] for p in st["peers"]} == {"a0", "a1"}

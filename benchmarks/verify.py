@@ -1,0 +1,169 @@
+"""`python -m benchmarks verify`: spot checks: a peer corrupting its outputs, banned; their cost in tokens/s.
+
+Four runs of the same swarm, each from the seeded init with the same steps and data order: a
+coordinator of the config (configs/tiny.toml: 2 stages, averaging on loopback), one peer of
+stage 0 and three of stage 1 (`swarm peer --coordinator URL --stage K --no-rebalance --threads 1`),
+one trainer (`swarm train --coordinator URL --steps N --verify-fraction F --log-json P`):
+
+- honest, checks on: three honest peers on stage 1, `--fraction` of forward calls spot-checked;
+- honest, checks off: the same, `--verify-fraction 0`;
+- corrupted, checks on: one of the three started with `--corrupt-outputs SCALE` (Gaussian noise of
+  SCALE x the outputs' RMS on every forward output), checks at `--fraction`;
+- corrupted, checks off: the same liar, `--verify-fraction 0` (what the checks prevent).
+
+Definitions:
+- final loss = mean training loss of the last `--tail` steps; loss ratio = a run's final loss /
+  the honest run's with checks on; the goal is within 3% for the corrupted run with checks on;
+- microbatches until the ban = the trainer's count of training microbatches up to and including
+  the one whose check banned the liar (from its "spot check: banned peer" line);
+- tokens/s = the trainer's tokens / elapsed of its last step (the whole run);
+  overhead = 1 - (honest, checks on) / (honest, checks off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from benchmarks.averaging import final
+from benchmarks.procs import Proc, log_dir, start_coordinator, start_peer, stop_all, wait_online
+from benchmarks.results import append_row
+from swarm.config import load_config
+
+SECTION = "verify: spot checks against a peer corrupting its outputs (1 + 3 peers)"
+BAN = re.compile(r"spot check: banned peer (\S+) of stage (\d+) at microbatch (\d+)\.(\d+)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/tiny.toml", help="a 2-stage run config")
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--fraction", type=float, default=0.02, help="share of forward calls spot-checked")
+    p.add_argument("--scale", type=float, default=0.5, help="the liar's noise, x the RMS of its outputs")
+    p.add_argument("--matchmaking", type=float, default=0.5, help="averaging.matchmaking_time_s (loopback)")
+    p.add_argument("--tail", type=int, default=10, help="steps averaged into the final loss")
+    p.add_argument("--log-dir", default=None)
+
+
+def run_swarm(config: Path, steps: int, fraction: float, liar_scale: float, tmp: Path) -> tuple[list[dict], str]:
+    """One run; returns the trainer's --log-json records and its output."""
+    procs: list[Proc] = []
+    try:
+        coordinator, url = start_coordinator(config, tmp / "coordinator.log")
+        procs.append(coordinator)
+        peers = {"s0": start_peer(url, "s0", 0, tmp, "--no-rebalance")}
+        for name in ("honest1", "honest2", "liar" if liar_scale else "honest3"):
+            extra = ["--corrupt-outputs", str(liar_scale)] if name == "liar" else []
+            peers[name] = start_peer(url, name, 1, tmp, "--no-rebalance", *extra)
+        procs += peers.values()
+        wait_online(url, peers)
+        log_json = tmp / "train.jsonl"
+        args = ["train", "--coordinator", url, "--steps", str(steps), "--verify-fraction", str(fraction)]
+        trainer = Proc([*args, "--log-json", str(log_json)], tmp / "trainer.log")
+        procs.append(trainer)
+        while trainer.popen.poll() is None:
+            time.sleep(0.5)
+        out = trainer.output()
+        if trainer.popen.returncode != 0:
+            raise RuntimeError(f"the trainer exited with {trainer.popen.returncode}:\n{out[-3000:]}")
+        print(out[out.rfind("summary") :], flush=True)
+        return [json.loads(line) for line in log_json.read_text().splitlines() if line.strip()], out
+    finally:
+        stop_all(procs)
+
+
+def run(args: argparse.Namespace) -> str:
+    cfg = load_config(args.config)
+    if cfg.stages.count != 2:
+        raise SystemExit(f"{args.config}: the verify benchmark expects a 2-stage config, not {cfg.stages.count}")
+    acc = cfg.training.accumulation
+    tmp = log_dir(args.log_dir, "verify")
+    config = tmp / "run.toml"
+    text = Path(args.config).read_text()
+    if "[averaging]" not in text:
+        m = args.matchmaking
+        text += f"\n[averaging]\nmatchmaking_time_s = {m}\nrequest_timeout_s = {m * 0.6:g}\n"
+    config.write_text(text)
+    load_config(config)
+    load_avg = os.getloadavg()[0]
+
+    runs = {
+        "honest, checks on": (args.fraction, 0.0),
+        "honest, checks off": (0.0, 0.0),
+        "corrupted, checks on": (args.fraction, args.scale),
+        "corrupted, checks off": (0.0, args.scale),
+    }
+    results: dict[str, tuple[list[dict], str]] = {}
+    for label, (fraction, scale) in runs.items():
+        run_dir = tmp / label.replace(", ", "-").replace(" ", "-")
+        run_dir.mkdir(exist_ok=True)
+        print(f"{label}: --verify-fraction {fraction}, liar {scale or 'none'}", flush=True)
+        results[label] = run_swarm(config, args.steps, fraction, scale, run_dir)
+
+    loss = {label: final(records, args.tail) for label, (records, _) in results.items()}
+    tps = {label: records[-1]["tokens_per_s"] for label, (records, _) in results.items()}
+    base = loss["honest, checks on"]
+    ratio = loss["corrupted, checks on"] / base
+    ratio_off = loss["corrupted, checks off"] / base
+    overhead = 1 - tps["honest, checks on"] / tps["honest, checks off"]
+    records, out = results["corrupted, checks on"]
+    bans = BAN.findall(out)
+    banned_after = int(bans[0][2]) * acc + int(bans[0][3]) + 1 if bans else None
+    checks = {label: records[-1].get("spot_checks", 0) for label, (records, _) in results.items()}
+    honest_bans = sum(len(BAN.findall(o)) for label, (_, o) in results.items() if label.startswith("honest"))
+
+    print("\nsummary", flush=True)
+    rows = {
+        "config": f"{args.config}, {args.steps} steps x {acc} microbatches, 1 + 3 peers",
+        **{f"final loss, {label}": f"{v:.4f} ({tps[label]:,.0f} tokens/s)" for label, v in loss.items()},
+        "corrupted ÷ honest, checks on": f"{ratio:.4f}",
+        "corrupted ÷ honest, checks off": f"{ratio_off:.4f}",
+        "microbatches until the ban": banned_after if banned_after is not None else "never banned",
+        "bans in the honest runs": honest_bans,
+        "spot checks made": ", ".join(f"{label}: {n}" for label, n in checks.items()),
+        f"overhead of checks at {args.fraction:g}": f"{overhead:.1%} of tokens/s",
+        "logs": str(tmp),
+    }
+    width = max(map(len, rows))
+    print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items()), flush=True)
+
+    goal = "met" if abs(ratio - 1) <= 0.03 and banned_after is not None else "not met"
+    return append_row(
+        SECTION,
+        [
+            "config",
+            "steps",
+            "fraction",
+            "liar noise",
+            "honest final loss",
+            "corrupted ÷ honest, checks on",
+            "corrupted ÷ honest, checks off",
+            "microbatches until the ban",
+            "honest tokens/s, checks on",
+            "honest tokens/s, checks off",
+            "overhead",
+            "notes",
+        ],
+        [
+            args.config,
+            args.steps,
+            f"{args.fraction:g}",
+            f"{args.scale:g} x RMS",
+            f"{base:.4f}",
+            f"{ratio:.4f}",
+            f"{ratio_off:.4f}",
+            banned_after if banned_after is not None else "never",
+            f"{tps['honest, checks on']:,.0f}",
+            f"{tps['honest, checks off']:,.0f}",
+            f"{overhead:.1%}",
+            f"goal corrupted within 3% of honest with checks on, liar banned: {goal}; {honest_bans} bans in the "
+            f"honest runs; spot checks made (checks on): honest {checks['honest, checks on']}, corrupted "
+            f"{checks['corrupted, checks on']} (every call is checked until each peer passed 2 checks); final loss "
+            f"= mean of the last {args.tail} steps; tokens/s over the whole run, one run each (noisy on a shared "
+            f"machine); matchmaking {args.matchmaking:g} s, loopback, 1 torch thread per peer; load avg "
+            f"{load_avg:.1f} at start",
+        ],
+    )

@@ -1,0 +1,174 @@
+"""Spot checks of the peers' forward outputs: a pure policy over observed answers.
+
+The trainer sends a fraction of its training forward calls to a second peer of the same stage as
+an evaluation forward (train=False: no gradient is accumulated twice) and compares the two
+answers: hidden states on the inner stages, the microbatch's loss on the last stage. Both peers
+got the same input bytes and hold the same weights (the replicas of a stage apply the same
+averaged step), so honest answers differ only by floating-point noise (batching, kernels) and by
+the wire codec's rounding; the tolerance is derived from those two.
+
+When two answers disagree, a third peer of the stage arbitrates: the peer whose answer disagrees
+with both others while those two agree is the odd one out and gets a strike; after `strikes`
+strikes it is banned from this trainer's routing for the rest of the run. With only two peers (or
+when the third disagrees with both) nobody can tell which one is wrong: the disagreement is
+counted and nobody is banned, so one peer can never get an honest peer banned on its own word.
+
+Which calls are checked is decided from the run's seed, the stage and the microbatch's name, so a
+run repeats its checks. Besides, while a peer of the stage has passed fewer than `first_checks`
+checks since it joined or was last outvoted, every call of the stage is checked, the peer with the
+fewest passed checks answering as the second one: a new peer is checked at once, and an outvoted
+one until it agrees again or collects its next strike, even at a small fraction.
+
+Nothing here touches the network: the trainer asks, this module keeps the counts and judges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# Relative error, ||a - b|| / max(||a||, ||b||), that floating-point noise alone can cause between two
+# honest answers computed in this dtype (batching changes the order of sums; devices differ).
+DTYPE_RTOL = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 3e-2}
+
+# What the wire codec's rounding adds when the answers travel encoded: about one step of the
+# codec's mantissa (fp16: 2^-11, bf16: 2^-8) or of its 8-bit grid (int8: absmax / 127 per
+# block of 256), with a margin, since two close values may round to neighbouring codes.
+CODEC_RTOL = {"none": 0.0, "fp16": 2e-3, "bf16": 1e-2, "int8": 3e-2}
+
+
+# The last stage's loss is a mean over every token of the microbatch: batching noise all but
+# averages out of it (float32: below 1e-6), while a corrupted answer moves it by far more than the
+# noise does (noise of 0.5 x the logits' RMS: +0.2% at the seeded init, more once trained).
+LOSS_RTOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def tolerance(codec: str, dtype: str, encoded: bool = True) -> float:
+    """The relative tolerance for answers computed in `dtype`; `encoded`: hidden states that crossed
+    the wire through `codec`, else the last stage's loss (a plain float, whatever the codec)."""
+    return DTYPE_RTOL[dtype] + CODEC_RTOL[codec] if encoded else LOSS_RTOL[dtype]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / max(||a||, ||b||); infinite when the shapes differ or a value is not finite."""
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.double(), b.double()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("inf")
+    scale = max(float(a.norm()), float(b.norm()))
+    diff = float((a - b).norm())
+    return 0.0 if diff == 0 else diff / scale
+
+
+def sampled(seed: int, stage: int, name: str, fraction: float) -> bool:
+    """Whether the call of microbatch `name` to `stage` is one of the `fraction` checked: a hash of
+    the three, so the same run checks the same calls."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.blake2b(f"{seed}/{stage}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < fraction
+
+
+def odd_one_out(answers: Sequence[torch.Tensor], agree: Callable[[torch.Tensor, torch.Tensor], bool]) -> int | None:
+    """The index of the one answer that disagrees with every other while all the others agree with
+    each other; None when there is no such answer (all agree, or no majority, or fewer than 3)."""
+    if len(answers) < 3:
+        return None
+    n = len(answers)
+    ok = [[i == j or agree(answers[i], answers[j]) for j in range(n)] for i in range(n)]
+    for odd in range(n):
+        rest = [i for i in range(n) if i != odd]
+        if all(not ok[odd][i] for i in rest) and all(ok[i][j] for i in rest for j in rest):
+            return odd
+    return None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    agreed: bool  # the first two answers agreed
+    odd: str | None = None  # the peer outvoted by the others
+    banned: bool = False  # ... and banned by this verdict
+
+
+@dataclass
+class _StageState:
+    passed: dict[str, int] = field(default_factory=dict)  # checks each peer passed since it was last outvoted
+    strikes: dict[str, int] = field(default_factory=dict)
+
+
+class SpotChecks:
+    """What one trainer knows from its spot checks: per stage, how often each peer was checked and
+    outvoted; which peers it banned; the totals it reports."""
+
+    def __init__(self, num_stages: int, fraction: float, strikes: int = 2, first_checks: int = 2, seed: int = 0):
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        if strikes < 1:
+            raise ValueError(f"strikes must be >= 1, got {strikes}")
+        self.fraction, self.strikes, self.first_checks, self.seed = fraction, strikes, first_checks, seed
+        self.stages = [_StageState() for _ in range(num_stages)]
+        self.banned: dict[str, int] = {}  # peer id -> the stage it was banned on
+        self.checks = 0  # comparisons made
+        self.disagreements = 0  # ... where the first two answers differed
+        self.unresolved = 0  # ... and no third answer settled which one was wrong
+        self._lock = threading.Lock()  # the trainer's microbatch threads judge at the same time
+
+    def enabled(self) -> bool:
+        return self.fraction > 0
+
+    def due(self, stage: int, name: str, peers: Collection[str]) -> bool:
+        """Whether this call is checked: it is sampled, or a live peer of the stage is still new."""
+        if not self.enabled() or len(peers) < 2:
+            return False
+        passed = self.stages[stage].passed
+        return sampled(self.seed, stage, name, self.fraction) or any(
+            passed.get(p, 0) < self.first_checks for p in peers
+        )
+
+    def checker(self, stage: int, peers: Collection[str]) -> str | None:
+        """The peer to answer the check: the one with the fewest passed checks (ties by id: repeatable)."""
+        candidates = [p for p in peers if p not in self.banned]
+        passed = self.stages[stage].passed
+        return min(candidates, key=lambda p: (passed.get(p, 0), p), default=None)
+
+    def judge(
+        self,
+        stage: int,
+        answers: Sequence[tuple[str, torch.Tensor]],
+        rtol: float,
+        arbiter: Callable[[], tuple[str, torch.Tensor] | None] = lambda: None,
+    ) -> Verdict:
+        """Judge one spot check from two peers' answers (peer id, answer); when they disagree,
+        `arbiter` is asked for a third peer's (None: there is none)."""
+
+        def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+            return relative_error(a, b) <= rtol
+
+        agreed = agree(answers[0][1], answers[1][1])
+        if not agreed and (third := arbiter()) is not None:
+            answers = [*answers, third]
+        odd = None if agreed else odd_one_out([a for _, a in answers], agree)
+        state = self.stages[stage]
+        with self._lock:
+            self.checks += 1
+            if not agreed:
+                self.disagreements += 1
+                self.unresolved += odd is None
+            if agreed or odd is not None:
+                for i, (peer, _) in enumerate(answers):
+                    if i != odd:
+                        state.passed[peer] = state.passed.get(peer, 0) + 1
+            if odd is None:
+                return Verdict(agreed=agreed)
+            peer = answers[odd][0]
+            state.passed[peer] = 0
+            state.strikes[peer] = state.strikes.get(peer, 0) + 1
+            banned = state.strikes[peer] >= self.strikes and peer not in self.banned
+            if banned:
+                self.banned[peer] = stage
+            return Verdict(agreed=False, odd=peer, banned=banned)

@@ -1,0 +1,226 @@
+"""Trust in a run: a join token keeps strangers out, signed DHT records keep peers honest.
+
+A run started with `swarm coordinator --join-token` hands its config and DHT addresses only to
+those who send the token, and its stage workers answer only calls that carry it. Every record in
+the DHT is signed by its writer (hivemind's RSASignatureValidator on every node), so a forging DHT
+node can neither overwrite a live peer's record nor slip in a record nobody signed. Neither token
+ever shows in a log line, the API or the dashboard.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import hivemind
+import httpx
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.cli import build_parser
+from swarm.client import SERVICE, StageClient
+from swarm.records import (
+    ControlState,
+    announce_control,
+    announce_removed,
+    maddr_peer_ids,
+    make_dht,
+    read_control,
+    read_removed,
+    read_stage,
+    shutdown_dht,
+    stage_key,
+)
+from swarm.rpc import pb
+from tests.processes import Proc, wait_for_state
+from tests.test_averaging import FAST_AVERAGING, config_with
+from tests.test_swarm import Swarm, peer_record
+
+JOIN_TOKEN = "join-7f3a9c1e5d"
+OPERATOR_TOKEN = "operator-b42e8d06aa"
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A run with a join token and an operator token: one peer per stage, both given the token, and
+    a trainer with it that has finished STEPS steps."""
+    tmp = tmp_path_factory.mktemp("trust")
+    path, run = config_with(tmp, FAST_AVERAGING)
+    swarm = Swarm(tmp, path, ("--join-token", JOIN_TOKEN, "--token", OPERATOR_TOKEN))
+    swarm.run = run
+    try:
+        swarm.add_peer("p0", 0, "--join-token", JOIN_TOKEN)
+        swarm.add_peer("p1", 1, "--join-token", JOIN_TOKEN)
+        swarm.wait_online(["p0", "p1"])
+        swarm.trainer = Proc(
+            [
+                "train",
+                "--coordinator",
+                swarm.url,
+                "--steps",
+                str(STEPS),
+                "--join-token",
+                JOIN_TOKEN,
+                "--log-json",
+                str(tmp / "train.jsonl"),
+            ],
+            tmp / "trainer.log",
+        )
+        swarm.finish_training(timeout=120)
+        yield swarm
+    finally:
+        swarm.close()
+
+
+def test_join_needs_the_token(guarded):
+    url = f"{guarded.url}/api/v1/join"
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": f"Basic {JOIN_TOKEN}"}):
+        refused = httpx.get(url, headers=headers, timeout=5)
+        assert refused.status_code == 401, headers
+        assert refused.headers["WWW-Authenticate"] == "Bearer"
+        assert "join token" in refused.json()["detail"] and JOIN_TOKEN not in refused.text
+    joined = httpx.get(url, headers={"Authorization": f"Bearer {JOIN_TOKEN}"}, timeout=5)
+    assert joined.status_code == 200 and joined.json()["initial_peers"]
+    # Watching the run stays open to everyone.
+    assert httpx.get(f"{guarded.url}/api/v1/state", timeout=5).status_code == 200
+
+
+def test_a_peer_without_the_token_is_refused(guarded, tmp_path):
+    strangers = [
+        Proc(["peer", "--coordinator", guarded.url, "--stage", "0", *extra], tmp_path / f"stranger-{i}.log")
+        for i, extra in enumerate([(), ("--join-token", "not-the-token")])
+    ]
+    try:
+        codes = [p.popen.wait(60) for p in strangers]
+    finally:
+        for p in strangers:
+            p.stop()
+    assert codes == [2, 2]
+    for p in strangers:
+        assert "join token" in p.output() and JOIN_TOKEN not in p.output() and "Traceback" not in p.output()
+
+
+def test_stage_workers_refuse_calls_without_the_token(guarded):
+    address = peer_record(wait_for_state(guarded.url, lambda s: peer_record(s, "p0")), "p0")["address"]
+    channel = grpc.insecure_channel(address)
+    try:
+        requests = {
+            "Info": pb.InfoRequest(),
+            "Parameters": pb.ParametersRequest(run_id=guarded.run.run_id, stage=0),
+            "Forward": pb.ForwardRequest(run_id=guarded.run.run_id, stage=0, microbatch_id="x"),
+            "Backward": pb.BackwardRequest(run_id=guarded.run.run_id, stage=0, microbatch_id="x"),
+        }
+        for method, request in requests.items():
+            call = channel.unary_unary(SERVICE + method, request_serializer=lambda m: m.SerializeToString())
+            for metadata in (None, (("authorization", "Bearer not-the-token"),)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(request, timeout=10, metadata=metadata)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
+                assert "join token" in refused.value.details() and JOIN_TOKEN not in refused.value.details()
+    finally:
+        channel.close()
+    client = StageClient(address, guarded.run, join_token=JOIN_TOKEN)
+    try:
+        assert client.info().stage == 0
+    finally:
+        client.close()
+
+
+def test_a_run_with_a_join_token_trains(guarded):
+    records = guarded.records()
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert all(r["loss"] > 0 for r in records)
+    state = wait_for_state(
+        guarded.url, lambda s: all(peer_record(s, n)["optimizer_steps"] == STEPS for n in ("p0", "p1"))
+    )
+    assert state["trainers"] and state["trainers"][0]["steps"] == STEPS
+
+
+def test_tokens_never_show_in_logs_api_or_dashboard(guarded):
+    url = guarded.url
+    operator = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+    assert httpx.post(f"{url}/api/v1/control/pause", headers=operator, timeout=5).status_code == 200
+    assert httpx.post(f"{url}/api/v1/control/resume", headers=operator, timeout=5).status_code == 200
+    pages = {
+        path: httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {JOIN_TOKEN}"}, timeout=5).text
+        for path in ["/api/v1/join", "/api/v1/state", "/api/v1/history", "/api/v1/events", "/openapi.json", "/metrics"]
+    }
+    pages["/"] = httpx.get(url, timeout=5).text
+    pages.update({p: httpx.get(f"{url}/static/{p}", timeout=5).text for p in ("app.js", "index.html")})
+    logs = {p.log_path.name: p.output() for p in [guarded.coordinator, guarded.trainer, *guarded.peers.values()]}
+    assert len(pages) == 9 and all(pages.values()) and all(logs.values())
+    for token in (JOIN_TOKEN, OPERATOR_TOKEN):
+        assert not [where for where, text in {**pages, **logs}.items() if token in text], token
+
+
+# -- signed records ----------------------------------------------------------------------------
+
+
+class ForeignSignature(RSASignatureValidator):
+    """A forger's validator: signs every record with its own key, whoever the subkey names."""
+
+    def sign_value(self, record):
+        signature = self._private_key.sign(self._serialize_record(record))
+        return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
+
+
+def test_a_forging_node_cannot_overwrite_or_invent_records(tmp_path):
+    swarm = Swarm(tmp_path)
+    forgers: list[hivemind.DHT] = []
+    dhts: list[hivemind.DHT] = []
+    try:
+        swarm.add_peer("victim", 0)
+        genuine = peer_record(swarm.wait_online(["victim"]), "victim")
+        peers = httpx.get(f"{swarm.url}/api/v1/join", timeout=5).json()["initial_peers"]
+        key = stage_key("tiny", 0)
+        dhts.append(make_dht(peers, client_mode=True))
+        subkey = next(s for s in dhts[0].get(key, latest=True).value if s.startswith(genuine["peer_id"]))
+        victim_key = subkey[len(genuine["peer_id"]) :]  # `[owner:ssh-rsa ...]`
+        forged = dict(genuine, address="203.0.113.66:666", public_name="forged", updated=get_dht_time())
+        fake = dict(forged, peer_id="fake-peer", public_name="fake")
+        expires = get_dht_time() + 600
+        # A node that signs nothing, and one that signs everything with its own key.
+        forgers.append(hivemind.DHT(initial_peers=peers, start=True))
+        forgers.append(
+            hivemind.DHT(initial_peers=peers, record_validators=[ForeignSignature(RSAPrivateKey())], start=True)
+        )
+        for forger in forgers:
+            forger.store(key, forged, expires, subkey=subkey)  # over the victim's record
+            forger.store(key, fake, expires, subkey="fake-peer" + victim_key)  # a new one in the victim's name
+            forger.store(key, fake, expires, subkey="fake-peer")  # one that names no owner
+        # Its own records it can sign, but the operator's word counts only from the coordinator.
+        assert announce_removed(dhts[0], "tiny", genuine["peer_id"], timeout=10)
+        assert announce_control(dhts[0], "tiny", ControlState(paused=True), timeout=10)
+        dhts.append(make_dht(peers, client_mode=True))  # a reader that joins after the forgery
+        expected = [(genuine["peer_id"], genuine["address"], "victim")]
+        deadline = time.monotonic() + 8  # several refreshes of the victim's record, and reads of the coordinator
+        while time.monotonic() < deadline:
+            for dht in dhts:
+                assert [(r.peer_id, r.address, r.public_name) for r in read_stage(dht, "tiny", 0)] == expected
+            listed = httpx.get(f"{swarm.url}/api/v1/state", timeout=5).json()["stages"][0]["peers"]
+            assert [(r["peer_id"], r["address"], r["public_name"]) for r in listed] == expected
+            assert not read_control(dhts[1], "tiny", maddr_peer_ids(peers)).paused
+            assert not httpx.get(f"{swarm.url}/api/v1/state", timeout=5).json()["paused"]
+            time.sleep(0.5)
+        assert swarm.peers["victim"].popen.poll() is None, "the victim left on a forged removal"
+        assert genuine["peer_id"] in read_removed(dhts[1], "tiny")  # the forgery is there, and ignored
+    finally:
+        for dht in [*forgers, *dhts]:
+            shutdown_dht(dht)
+        swarm.close()
+
+
+def test_the_join_token_comes_from_the_environment_unless_flagged(monkeypatch):
+    monkeypatch.setenv("SWARM_JOIN_TOKEN", "from-the-environment")
+    commands = [
+        ["coordinator", "--config", "run.toml"],
+        ["peer", "--coordinator", "http://127.0.0.1:8000"],
+        ["train", "--coordinator", "http://127.0.0.1:8000"],
+        ["export", "--coordinator", "http://127.0.0.1:8000", "--out", "model"],
+    ]
+    for command in commands:
+        assert build_parser().parse_args(command).join_token == "from-the-environment"
+        assert build_parser().parse_args([*command, "--join-token", "flagged"]).join_token == "flagged"
