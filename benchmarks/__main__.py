@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 BENCHMARKS = {
     "averaging": "benchmarks.averaging",
+    "chaos": "benchmarks.chaos",
     "coordinator": "benchmarks.coordinator",
     "failover": "benchmarks.failover",
     "fuzz": "benchmarks.fuzz",
@@ -28,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         modules[name] = mod
         mod.add_arguments(sub.add_parser(name, help=mod.__doc__.strip().splitlines()[0]))
     args = parser.parse_args(argv)
+    # SIGTERM (e.g. from `timeout`) ends the run like Ctrl-C: the `finally` blocks stop the swarm
+    # processes, which live in their own process groups and would otherwise be left running.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     row = modules[args.name].run(args)
     print(f"appended to benchmarks/results.md:\n{row}")
     return 0

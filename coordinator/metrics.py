@@ -23,6 +23,21 @@ if TYPE_CHECKING:
     from coordinator.app import StateResponse
 
 
+# The trainers' counters (TrainerRecord fields), each exported as the sum over the trainers listed now.
+TRAINER_COUNTERS: list[tuple[str, str, str]] = [  # (metric, field, help)
+    ("swarm_wire_bytes", "wire_bytes", "Bytes the trainers sent and received in stage calls"),
+    ("swarm_call_failures", "failures", "Stage calls that failed and were retried on another peer"),
+    ("swarm_bans", "bans", "Times a trainer banned a failing peer"),
+    ("swarm_spot_checks", "spot_checks", "Forward calls the trainers spot-checked on a second peer of the stage"),
+    ("swarm_spot_disagreements", "spot_disagreements", "Spot checks whose answers differed beyond the tolerance"),
+    (
+        "swarm_spot_bans",
+        "spot_bans",
+        "Peers banned by the trainers' spot checks, outvoted by two agreeing peers (per trainer that banned them)",
+    ),
+]
+
+
 class SwarmCollector(Collector):
     def __init__(self, current_state: Callable[[], StateResponse]):
         self.current_state = current_state
@@ -53,17 +68,8 @@ class SwarmCollector(Collector):
         yield _optional_gauge("swarm_loss", "Last training loss of the trainer with the most steps", state.loss)
         yield _optional_gauge("swarm_val_loss", "Last validation loss of that trainer", state.val_loss)
         yield GaugeMetricFamily("swarm_global_step", "Global optimizer steps taken", state.global_step)
-        yield CounterMetricFamily(
-            "swarm_wire_bytes",
-            "Bytes the trainers sent and received in stage calls",
-            sum(t.wire_bytes for t in trainers),
-        )
-        yield CounterMetricFamily(
-            "swarm_call_failures",
-            "Stage calls that failed and were retried on another peer",
-            sum(t.failures for t in trainers),
-        )
-        yield CounterMetricFamily("swarm_bans", "Times a trainer banned a failing peer", sum(t.bans for t in trainers))
+        for name, field, documentation in TRAINER_COUNTERS:
+            yield CounterMetricFamily(name, documentation, sum(getattr(t, field) for t in trainers))
         yield GaugeMetricFamily(
             "swarm_coordinator_view_age_seconds",
             "Seconds since the coordinator last read the swarm from the DHT",

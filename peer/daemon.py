@@ -40,7 +40,7 @@ from peer.throughput import cached_throughput
 from peer.worker import StageWorker
 from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
-from swarm.join import fetch_join
+from swarm.join import join_dht
 from swarm.placement import pick_stage
 from swarm.rebalance import should_move
 from swarm.records import (
@@ -48,7 +48,6 @@ from swarm.records import (
     PeerRecord,
     announce_peer,
     maddr_peer_ids,
-    make_dht,
     read_removed,
     read_stage,
     read_swarm,
@@ -268,10 +267,12 @@ def run_peer(
     announce_host: str | None = None,
     dht_port: int = 0,
     join_token: str | None = None,
+    join_wait: float = 0.0,
     corrupt_outputs: float = 0.0,
 ) -> int:
     """`announce_host`: the address others reach this peer at (gRPC and DHT), when it is not the one
-    it listens on; `dht_port`: the DHT's port (0: any free one); `join_token`: the run's join token.
+    it listens on; `dht_port`: the DHT's port (0: any free one); `join_token`: the run's join token;
+    `join_wait`: seconds to keep trying a coordinator that does not answer.
     `checkpoint_dir`: where to save and resume the stage's checkpoints (None: nowhere), checked
     before anything starts."""
     if checkpoint_dir is not None:
@@ -279,14 +280,18 @@ def run_peer(
             checkpoint_dir = writable_dir(checkpoint_dir)
         except OSError as err:
             raise ConfigError(f"--checkpoint-dir: cannot write to {checkpoint_dir}: {err.strerror or err}") from None
-    run, initial_peers = fetch_join(coordinator, join_token=join_token)
-    if stage is not None and not 0 <= stage < run.stages.count:
-        raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
+
+    def check_stage(run: RunConfig) -> None:
+        if stage is not None and not 0 <= stage < run.stages.count:
+            raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
+
     if threads:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
     dht_host = host if host not in ("", "::") else "0.0.0.0"
-    dht = make_dht(initial_peers, host=dht_host, port=dht_port, announce_host=announce_host)
+    run, initial_peers, dht = join_dht(
+        coordinator, join_token, join_wait, check_stage, host=dht_host, port=dht_port, announce_host=announce_host
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -27,6 +27,18 @@ from swarm.wire import encode
 log = logging.getLogger("swarm.peer")
 SERVICE = "swarm.Stage"
 
+# A caller whose deadline is nearer than this is taken as gone: the answer would reach it too late,
+# it retries elsewhere, and a gradient kept here would count its microbatch twice.
+ANSWER_MARGIN_S = 0.25
+
+
+def caller_waiting(context: grpc.ServicerContext) -> bool:
+    """Whether the caller of a request still waits. The deadline is looked at as well as
+    `is_active()`: a process that was stopped (SIGSTOP, a machine asleep) runs on after it resumes
+    before gRPC notices that the deadline passed meanwhile."""
+    remaining = context.time_remaining()
+    return context.is_active() and (remaining is None or remaining > ANSWER_MARGIN_S)
+
 
 class StageService:
     def __init__(self, worker: StageWorker):
@@ -95,7 +107,7 @@ class StageService:
 
     def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
         work = parse_forward(request, self.shape)
-        future = self.worker.submit(work, context.is_active)
+        future = self.worker.submit(work, lambda: caller_waiting(context))
         result = self._wait(future, context)
         response = pb.ForwardResponse(loss=result.loss, queue_s=getattr(future, "queue_s", 0.0))
         if result.output is not None:
@@ -106,7 +118,7 @@ class StageService:
 
     def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
         work = parse_backward(request, self.shape, self.worker.claim_cached)
-        future = self.worker.submit(work, context.is_active)
+        future = self.worker.submit(work, lambda: caller_waiting(context))
         grad = self._wait(future, context)
         response = pb.BackwardResponse(queue_s=getattr(future, "queue_s", 0.0))
         if grad is not None:

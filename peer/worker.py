@@ -23,6 +23,7 @@ when a checkpoint is due and writes it on its own thread.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import json
 import logging
@@ -63,6 +64,20 @@ class _Task:
     active: Callable[[], bool] | None = field(default=None, compare=False)  # False once the caller gave up
     enqueued: float = field(default_factory=time.perf_counter, compare=False)
 
+    def waiting(self) -> bool:
+        """Whether the caller still waits for the answer."""
+        return self.active is None or self.active()
+
+    def uncached(self) -> _Task:
+        """This task to be run again from its input alone: a recorded forward's graph is spent once its
+        backward ran, and an input that took part in a backward holds that gradient."""
+        work = self.work
+        if isinstance(work, BackwardWork) and work.cached is not None:
+            work = dataclasses.replace(work, inputs=work.cached.inputs.detach().to("cpu"), cached=None)
+        else:
+            work = dataclasses.replace(work, inputs=work.inputs.detach())
+        return dataclasses.replace(self, work=work)
+
     @property
     def samples(self) -> int:
         return self.work.input_shape[0]
@@ -70,6 +85,31 @@ class _Task:
     @property
     def tokens(self) -> int:
         return self.work.input_shape[0] * self.work.input_shape[1]
+
+
+class StagedGrads:
+    """Sets a module's accumulated gradients aside, so that the next backward fills fresh buffers;
+    then `commit` adds those to the ones set aside, or `drop` forgets them. Either way each `.grad`
+    is afterwards the tensor it was before (hivemind's averager reads them in place)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.kept = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def commit(self) -> None:
+        with torch.no_grad():
+            for p, kept in zip(self.params, self.kept, strict=True):
+                if kept is None:
+                    continue  # the fresh buffer (or none) stays
+                if p.grad is not None:
+                    kept.add_(p.grad)
+                p.grad = kept
+
+    def drop(self) -> None:
+        for p, kept in zip(self.params, self.kept, strict=True):
+            p.grad = kept
 
 
 class WorkQueue:
@@ -261,7 +301,12 @@ class StageWorker:
             task.future.queue_s = start - task.enqueued  # read by the service, reported for routing
         try:
             with self.lock:
-                results = self._backward(batch) if kind == "backward" else self._forward(batch)
+                if kind == "backward" or (batch[0].work.train and batch[0].work.targets is not None):
+                    batch, results = self._accumulate(kind, batch)
+                else:
+                    results = self._forward(batch)
+            if not batch:
+                return
             if self.delay_per_sample:
                 time.sleep(self.delay_per_sample * sum(t.samples for t in batch))
         except Exception as err:  # a real fault: report it to every caller in the batch
@@ -305,11 +350,37 @@ class StageWorker:
         # gradient twice.
         kept = []
         for task in batch:
-            if task.active is not None and not task.active():
-                _resolve(task.future, error=RequestError(grpc.StatusCode.CANCELLED, "the caller gave up"))
-            else:
+            if task.waiting():
                 kept.append(task)
+            else:
+                _resolve(task.future, error=RequestError(grpc.StatusCode.CANCELLED, "the caller gave up"))
         return kept
+
+    def _accumulate(self, kind: str, batch: list[_Task]) -> tuple[list[_Task], list]:
+        """Run work that adds to the stage's gradient (backward; the last stage's training forward)
+        and keep its gradient only for callers that still wait: those who gave up while it ran (the
+        process was frozen, the call timed out) have retried elsewhere, and counting their
+        microbatch here too would count it twice. The batch's gradient goes to fresh buffers first
+        (`StagedGrads`); when some callers left, it is dropped and the rest is run again.
+        Returns the tasks kept and their results."""
+        while batch:
+            staged = StagedGrads(self.stage)
+            try:
+                results = self._backward(batch) if kind == "backward" else self._forward_loss(batch)
+            except BaseException:
+                staged.drop()
+                raise
+            left = [not task.waiting() for task in batch]
+            if not any(left):
+                staged.commit()
+                self._served([t for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)])
+                return batch, results
+            staged.drop()
+            for task, gone in zip(batch, left, strict=True):
+                if gone:
+                    _resolve(task.future, error=RequestError(grpc.StatusCode.CANCELLED, "the caller gave up"))
+            batch = [task.uncached() for task, gone in zip(batch, left, strict=True) if not gone]
+        return [], []
 
     def _measure(self, kind: str, batch: list[_Task], sec: float) -> None:
         # The last stage's training forward is forward + backward in one call.
@@ -371,7 +442,6 @@ class StageWorker:
             if train:
                 total = sum(loss * t.work.loss_scale for loss, t in zip(losses, batch, strict=True))
                 total.backward()
-                self._served(batch)
         grads = self._split(x.grad if train and not self.stage.is_first else None, batch)
         return [ForwardResult(loss=float(loss.detach()), input_grad=g) for loss, g in zip(losses, grads, strict=True)]
 
@@ -409,7 +479,6 @@ class StageWorker:
             grads = self._split(None if self.stage.is_first else x.grad, sub)
             for i, g in zip(recompute, grads, strict=True):
                 results[i] = g
-        self._served([t for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)])
         return results
 
     def _served(self, tasks: list[_Task]) -> None:

@@ -92,6 +92,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             data=args.data,
             verify_fraction=args.verify_fraction,
             join_token=args.join_token,
+            join_wait=args.join_wait,
         )
         return 0
     if not args.config:
@@ -155,6 +156,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             announce_host=args.announce_host,
             dht_port=args.dht_port,
             join_token=args.join_token,
+            join_wait=args.join_wait,
             corrupt_outputs=args.corrupt_outputs,
         )
         exit_now(code)
@@ -280,6 +282,17 @@ def add_join_token(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def add_join_wait(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--join-wait",
+        metavar="SECONDS",
+        type=non_negative_float,
+        default=300.0,
+        help="with --coordinator: keep trying a coordinator that does not answer (not started yet, restarting) "
+        "this long before giving up (default 300)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm", description="Train one transformer on a swarm of volunteer GPUs.")
     from swarm import __version__
@@ -316,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         "verify.fraction; 0 disables)",
     )
     add_join_token(train, "with --coordinator: the run's join token, if it has one")
+    add_join_wait(train)
     train.set_defaults(func=cmd_train)
 
     peer = sub.add_parser(
@@ -379,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --coordinator: save a checkpoint every N optimizer steps (default 50)",
     )
     add_join_token(peer, "with --coordinator: the run's join token, if it has one")
+    add_join_wait(peer)
     peer.set_defaults(func=cmd_peer)
 
     coord = sub.add_parser(

@@ -13,9 +13,16 @@ Every record is signed by its writer. Its subkey is the id named above followed 
 public key as hivemind's RSASignatureValidator marks it (`[owner:ssh-rsa ...]`), and every DHT node
 of the run runs that validator: a node stores, and a reader takes, a record under such a subkey only
 when it is signed by the matching private key. So nobody can overwrite another's record, and readers
-count only owned subkeys (an unsigned record is ignored) whose id is the one inside the record. The
-coordinator signs with its DHT identity's key, so peers and trainers take the operator's word (the
-control and removed records) only from the coordinator they joined through, known by its peer id.
+count only owned subkeys (an unsigned record is ignored) whose id is the one inside the record.
+
+Every DHT node's peer id derives from the key it signs with (libp2p's rule: see `make_dht` and
+`signer_peer_id`), so a peer id names exactly one signer. Readers take a peer's stage record only
+when its signer's peer id is the record's `peer_id`: a stranger can still publish a stage record
+under its own key, but not one that claims an existing peer's id (with another address, to steal
+its traffic). Trainer ids are not DHT peer ids (a trainer names itself), so trainer records are
+checked for an owner only. The coordinator's peer id is known to all who joined through it (its
+multiaddrs), so peers and trainers take the operator's word (the control and removed records) only
+from that coordinator.
 
 Reading is forgiving: a value that does not parse as a record is skipped (and logged), so one
 misbehaving peer cannot break everybody's view of the swarm.
@@ -23,13 +30,18 @@ misbehaving peer cannot break everybody's view of the swarm.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import hashlib
 import ipaddress
 import logging
+import os
 import re
 import socket
+import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -42,6 +54,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarm import __version__
@@ -133,6 +146,10 @@ def removed_key(run_id: str) -> str:
 CONTROL_SUBKEY = "coordinator"  # one writer: whichever coordinator of the run stored last
 
 
+# This process's live nodes whose peer id derives from the process-wide key (see `make_dht`).
+_process_wide_nodes: weakref.WeakSet = weakref.WeakSet()
+
+
 def make_dht(
     initial_peers: list[str] | None = None,
     host: str = "127.0.0.1",
@@ -144,35 +161,53 @@ def make_dht(
 ) -> hivemind.DHT:
     """A DHT node listening on HOST:PORT (hivemind's default is loopback only) that signs the records
     it stores with `record_key` and refuses records not signed by their owner (see the module
-    docstring). The default key is the process-wide one, the key hivemind's Optimizer signs its
-    progress records with: the DHT merges all signature validators into its first one, so the node
-    must sign with that same key or the Optimizer's records would go out unsigned; a node with an
-    `identity_path` signs with its identity's key, so its records can be told by its peer id (see
-    `read_control`). With `identity_path`
-    (a private key file, created when missing) the node keeps its peer id across restarts, so on
-    the same port it keeps its multiaddrs too. With `announce_host` (the address others reach this
-    machine at: a public IP or name, a forwarded router's) the node tells others only that address,
-    not its interfaces' (which, behind NAT or in a container, nobody else can reach); it needs a
-    known port, so port 0 becomes a free port picked here."""
+    docstring). Its peer id derives from the key it signs with, so readers can tell that a record
+    naming a peer id was signed by that peer (`read_stage`).
+
+    The default key is the process-wide one, the key hivemind's Optimizer signs its progress records
+    with: the DHT merges all signature validators into its first one, so the node must sign with
+    that same key or the Optimizer's records would go out unsigned. Two live nodes cannot share a
+    peer id (hivemind refuses an identity that a reachable peer already holds), so when this process
+    already runs a node with the process-wide key, a further node without `record_key` signs with a
+    key of its own (a reader's, or a test's second node; it cannot carry an Optimizer).
+
+    With `identity_path` (a private key file, created when missing) the node signs with the file's
+    key and keeps its peer id across restarts, so on the same port it keeps its multiaddrs too.
+    Otherwise its identity is made here from its key, in a private temporary file that is gone once
+    the node has started. With `announce_host` (the address others reach this machine at: a public IP
+    or name, a forwarded router's) the node tells others only that address, not its interfaces'
+    (which, behind NAT or in a container, nobody else can reach); it needs a known port, so port 0
+    becomes a free port picked here."""
     maddrs = [f"/ip4/{host}/tcp/{port}"]
-    extra: dict = {"identity_path": str(identity_path)} if identity_path is not None else {}
+    extra: dict = {}
     if announce_host:
         if port == 0:
             port = free_port(host)
             maddrs = [f"/ip4/{host}/tcp/{port}"]
         extra["announce_maddrs"] = [host_maddr(announce_host, port)]
-    if record_key is None and identity_path is not None:
+    if identity_path is not None:
+        if record_key is not None:
+            raise ValueError("make_dht: a node with an identity_path signs with its identity's key, not record_key")
         record_key = identity_key(identity_path)
+    elif record_key is None:
+        process_wide_taken = any(node.is_alive() for node in _process_wide_nodes)
+        record_key = RSAPrivateKey() if process_wide_taken else RSAPrivateKey.process_wide()
     validator = RSASignatureValidator(record_key)
-    dht = hivemind.DHT(
-        initial_peers=initial_peers or None,
-        host_maddrs=maddrs,
-        client_mode=client_mode,
-        record_validators=[validator],
-        start=True,
-        await_ready=True,
-        **extra,
-    )
+    with tempfile.TemporaryDirectory(prefix="swarm-dht-") as tmp:  # private to this user (mode 0700)
+        if identity_path is None:
+            identity_path = _write_identity(record_key, Path(tmp) / "identity.key")
+        dht = hivemind.DHT(
+            initial_peers=initial_peers or None,
+            host_maddrs=maddrs,
+            client_mode=client_mode,
+            identity_path=str(identity_path),
+            record_validators=[validator],
+            start=True,
+            await_ready=True,  # by then its p2p daemon has read the identity file
+            **extra,
+        )
+    if record_key is RSAPrivateKey.process_wide():
+        _process_wide_nodes.add(dht)
     dht.record_owner = validator.local_public_key.decode()  # what this node's subkeys end with
     return dht
 
@@ -187,10 +222,19 @@ def identity_key(path: Path) -> RSAPrivateKey:
     return key
 
 
-@functools.lru_cache(maxsize=256)
+def _write_identity(key: RSAPrivateKey, path: Path) -> Path:
+    """Write `key` as a DHT identity file (what `identity_key` reads), readable by this user only."""
+    identity = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes())  # as P2P.generate_identity
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        f.write(identity.SerializeToString())
+    return path
+
+
+@functools.lru_cache(maxsize=4096)
 def signer_peer_id(public_key: str) -> str | None:
     """The DHT peer id that the RSA `public_key` of an owner marker derives from (libp2p's rule, as in
-    hivemind's PeerID.from_identity); None for a key that does not parse."""
+    hivemind's PeerID.from_identity); None for a key that does not parse. Every stage record read
+    asks (about 60 us uncached), so the cache holds a big swarm's peers (a few MB at most)."""
     try:
         public = serialization.load_ssh_public_key(public_key.encode())
     except (ValueError, TypeError):
@@ -279,12 +323,18 @@ def shutdown_dht(dht: hivemind.DHT) -> None:
 
 
 def _read(
-    dht: hivemind.DHT, key: str, model: type[BaseModel], id_of: Callable, signers: set[str] | None = None
+    dht: hivemind.DHT,
+    key: str,
+    model: type[BaseModel],
+    id_of: Callable,
+    signers: set[str] | None = None,
+    self_signed: bool = False,
 ) -> list:
     """The records under `key` that are owned (their subkey names them and ends in their writer's
     key, which the DHT checked the signature against) and well-formed; with `signers`, only those
     signed with the identity key of one of these DHT peer ids. `id_of(record)` must be the name in
-    the subkey: a writer cannot pass its record off as another's."""
+    the subkey: a writer cannot pass its record off as another's. With `self_signed` (the name is a
+    DHT peer id), the name must also be the signer's own peer id: nobody else can speak for it."""
     found = dht.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
@@ -295,7 +345,11 @@ def _read(
             log.warning("ignoring an unsigned record under %s", key)
             continue
         name = subkey[: marker.start()]
-        if signers is not None and signer_peer_id(marker.group(1)) not in signers:
+        signer = signer_peer_id(marker.group(1))
+        if signers is not None and signer not in signers:
+            continue
+        if self_signed and signer != name:
+            log.warning("ignoring a record under %s/%s signed by another peer's key (%s)", key, name, signer)
             continue
         try:
             record = model.model_validate(item.value)
@@ -310,11 +364,13 @@ def _read(
 
 
 def read_stage(dht: hivemind.DHT, run_id: str, stage: int) -> list[PeerRecord]:
-    records = _read(dht, stage_key(run_id, stage), PeerRecord, lambda r: r.peer_id)
+    """The stage's peer records, each signed by the peer it names (see the module docstring)."""
+    records = _read(dht, stage_key(run_id, stage), PeerRecord, lambda r: r.peer_id, self_signed=True)
     return [r for r in records if r.stage == stage]
 
 
 def read_trainers(dht: hivemind.DHT, run_id: str) -> list[TrainerRecord]:
+    """The run's trainer records: owned, but not self-signed (a trainer id is not a DHT peer id)."""
     return _read(dht, trainers_key(run_id), TrainerRecord, lambda r: r.trainer_id)
 
 
@@ -351,3 +407,62 @@ def read_swarm(dht: hivemind.DHT, run_id: str, num_stages: int) -> SwarmView:
         trainers=read_trainers(dht, run_id),
         read_at=time.time(),
     )
+
+
+def reconnect(dht: hivemind.DHT, maddrs: list[str], timeout: float = 10.0) -> int:
+    """Ping the DHT nodes at `maddrs` (`.../p2p/PEER_ID`) so that those that answer go (back) into
+    this node's routing table; returns how many answered.
+
+    hivemind drops a node that stops answering from the routing table and never asks its initial
+    peers again. So a client node (a trainer) whose known nodes have all gone — volunteers leaving,
+    the coordinator restarting — is cut off for good: every read comes back empty. hivemind has no
+    call for this, hence the node's own ping, which is how it bootstraps."""
+    targets: dict[PeerID, list[Multiaddr]] = {}
+    for m in maddrs:
+        with contextlib.suppress(Exception):  # a malformed address is skipped, not fatal
+            addr = Multiaddr(m)
+            targets.setdefault(PeerID.from_base58(addr["p2p"]), []).append(addr)
+
+    async def ping(_dht, node) -> int:
+        async def one(peer: PeerID, addrs: list[Multiaddr]) -> bool:
+            with contextlib.suppress(Exception):  # unreachable now: the ping below fails as well
+                await node.p2p._client.connect(peer, addrs)
+            return await node.protocol.call_ping(peer, validate=False, strict=False) is not None
+
+        answers = await asyncio.gather(*(one(p, a) for p, a in targets.items()), return_exceptions=True)
+        return sum(a is True for a in answers)
+
+    if not targets:
+        return 0
+    try:
+        return dht.run_coroutine(ping, return_future=True).result(timeout=timeout)
+    except Exception:  # the DHT process is gone, or the pings took too long: the next round retries
+        return 0
+
+
+class Reconnector:
+    """Keeps a node in touch with its run's DHT (see `reconnect`): it remembers the DHT addresses the
+    swarm's peers announce, and when a read of the swarm finds a stage with no online peer, pings
+    them and the initial peers (the coordinator's), at most every `period` seconds."""
+
+    def __init__(self, dht: hivemind.DHT, initial_peers: list[str], period: float = 5.0, keep: int = 64):
+        self.dht, self.initial_peers, self.period, self.keep = dht, list(initial_peers), period, keep
+        self.known: dict[str, float] = {}  # multiaddr -> when last announced by an online peer
+        self.last = -float("inf")
+        self.pings = 0  # rounds of pings sent
+
+    def check(self, view: SwarmView) -> bool:
+        """Remember `view`'s addresses; reconnect when a stage looks empty. True when it pinged."""
+        now = time.monotonic()
+        for k in range(len(view.stages)):
+            for p in view.online(k):
+                for m in p.dht_addrs:
+                    self.known[m] = now
+        if len(self.known) > self.keep:  # the most recently seen ones
+            self.known = dict(sorted(self.known.items(), key=lambda kv: kv[1])[-self.keep :])
+        if all(view.online(k) for k in range(len(view.stages))) or now - self.last < self.period:
+            return False
+        self.last = now
+        self.pings += 1
+        reconnect(self.dht, self.initial_peers + [m for m in self.known if m not in self.initial_peers])
+        return True

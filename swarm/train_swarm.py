@@ -4,7 +4,9 @@ Every few seconds the trainer reads each stage's online peers from the DHT and h
 stage's `Router`. Each call goes to the peer the router expects to finish it first; a call that
 fails or times out is retried on another peer of the same stage, and the failing peer is banned
 with an exponential back-off until it answers again. When a stage has no live peer, the trainer
-waits and says so on its progress line. The trainer announces itself (steps, loss, tokens/s,
+waits and says so on its progress line; it also pings the DHT nodes it knew (the coordinator's,
+the peers' last announced ones), in case it is the trainer that lost touch with the DHT
+(`records.Reconnector`). The trainer announces itself (steps, loss, tokens/s,
 failed calls, bans, bytes on the wire).
 The operator's word comes through the DHT too: peers the operator removed get no more calls, and
 while the run is paused no new global step starts.
@@ -20,14 +22,17 @@ from collections.abc import Callable, Collection
 from typing import TypeVar
 
 import grpc
+import hivemind
 import torch
+from tqdm import tqdm
 
 from swarm.client import StageClient
 from swarm.config import RunConfig
-from swarm.join import fetch_join
+from swarm.join import join_dht
 from swarm.records import (
     REFRESH_S,
     ControlState,
+    Reconnector,
     TrainerRecord,
     announce_trainer,
     maddr_peer_ids,
@@ -58,17 +63,20 @@ class SwarmPipeline(Pipeline):
         public_name: str = "",
         refresh_s: float = 2.0,
         join_token: str | None = None,
+        dht: hivemind.DHT | None = None,
     ):
         """`run.verify`: how many forward calls are spot-checked (swarm/verify.py); `join_token`: the
-        run's join token, sent with every call."""
+        run's join token, sent with every call; `dht`: a client node of the run's DHT (default: one
+        started here from `initial_peers`)."""
         self.run, self.num_stages = run, run.stages.count
         self.join_token = join_token
         v = run.verify
         self.spot = SpotChecks(self.num_stages, v.fraction, v.strikes, v.first_checks, run.training.seed)
         self.call_timeout = call_timeout
         self.trace = uuid.uuid4().hex[:12]
-        self.dht = make_dht(initial_peers, client_mode=True)
+        self.dht = dht or make_dht(initial_peers, client_mode=True)
         self.coordinators = maddr_peer_ids(initial_peers)  # whose word on pauses and removals counts
+        self.reconnector = Reconnector(self.dht, initial_peers)
         self.trainer = TrainerRecord(trainer_id=self.trace, public_name=public_name or f"trainer-{self.trace[:6]}")
         self.routers = [Router() for _ in range(self.num_stages)]
         self.addresses: list[dict[str, str]] = [{} for _ in range(self.num_stages)]
@@ -87,6 +95,8 @@ class SwarmPipeline(Pipeline):
 
     def refresh(self) -> None:
         view = read_swarm(self.dht, self.run.run_id, self.num_stages)
+        if self.reconnector.check(view):  # a stage looks empty: maybe this node lost touch with the DHT
+            view = read_swarm(self.dht, self.run.run_id, self.num_stages)
         removed = read_removed(self.dht, self.run.run_id, self.coordinators)  # by the operator: they are leaving
         control = read_control(self.dht, self.run.run_id, self.coordinators)
         now = time.monotonic()
@@ -96,6 +106,11 @@ class SwarmPipeline(Pipeline):
                 online = [p for p in view.online(k) if p.peer_id not in removed and p.peer_id not in self.spot.banned]
                 self.routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
                 self.addresses[k] = {p.peer_id: p.address for p in online}
+
+    def event(self, text: str) -> None:
+        """Something the operator may want to know, on its own line above the progress bar."""
+        self.events.append(text)
+        tqdm.write(text, file=sys.stderr)
 
     def paused(self) -> bool:
         with self.lock:
@@ -116,7 +131,7 @@ class SwarmPipeline(Pipeline):
                     announce_trainer(self.dht, self.run.run_id, self.trainer)
                     last_announce = time.monotonic()
             except Exception as err:  # a DHT hiccup must not end training; the next round retries
-                self.events.append(f"DHT read failed: {err}")
+                self.event(f"DHT read failed: {err!r}")
 
     def report(self, record: dict) -> None:
         self.trainer = self.trainer.model_copy(
@@ -192,7 +207,7 @@ class SwarmPipeline(Pipeline):
                     self.failures += 1
                     if ban > 0:
                         self.bans += 1
-                self.events.append(f"stage {stage} peer {peer[-8:]} failed ({err.code().name}); banned {ban:.0f} s")
+                self.event(f"stage {stage} peer {peer[-8:]} failed ({err.code().name}); banned {ban:.0f} s")
                 tried.add(peer)
                 continue
             elapsed = time.monotonic() - start - getattr(response, "queue_s", 0.0)
@@ -246,8 +261,7 @@ class SwarmPipeline(Pipeline):
                 self.routers[stage].remove(verdict.odd)
                 self.addresses[stage].pop(verdict.odd, None)
             text = f"spot check: banned peer {verdict.odd} of stage {stage} at microbatch {name}"
-            self.events.append(text)
-            print(text, file=sys.stderr, flush=True)
+            self.event(text)
         if verdict.odd == peer and not last:
             return check, checker  # pass the agreed hidden states on, not the outvoted ones
         return out, peer
@@ -288,17 +302,21 @@ def train_swarm(
     data: str | None = None,
     verify_fraction: float | None = None,
     join_token: str | None = None,
+    join_wait: float = 0.0,
 ) -> list[dict]:
     """Train through the run's swarm; `data`: text files (a file or a folder) to train on instead of
     the run's own data section (the run's model, schedule and batches stay the coordinator's);
     `verify_fraction`: the share of forward calls spot-checked, instead of the run's `verify.fraction`;
-    `join_token`: the run's join token (for the coordinator and every stage worker)."""
-    run, initial_peers = fetch_join(coordinator, join_token=join_token)
+    `join_token`: the run's join token (for the coordinator and every stage worker); `join_wait`:
+    seconds to keep trying a coordinator that does not answer."""
+    run, initial_peers, dht = join_dht(coordinator, join_token, join_wait, client_mode=True)
     if data:
         run = run.with_data(data)
     if verify_fraction is not None:
         run = run.model_copy(update={"verify": run.verify.model_copy(update={"fraction": verify_fraction})})
-    pipe = SwarmPipeline(run, initial_peers, call_timeout=call_timeout, public_name=public_name, join_token=join_token)
+    pipe = SwarmPipeline(
+        run, initial_peers, call_timeout=call_timeout, public_name=public_name, join_token=join_token, dht=dht
+    )
     steps = steps or run.training.steps
     start = pipe.swarm_step()
     desc = f"train ({run.stages.count} stages via {coordinator}, {inflight} in flight)"

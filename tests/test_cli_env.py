@@ -48,8 +48,8 @@ def no_swarm_environment(monkeypatch):
 def test_peer_joins_the_coordinator_named_in_the_environment_as_if_flagged():
     url = unused_url()
     with ThreadPoolExecutor(2) as pool:  # each run spends seconds importing torch and hivemind
-        env_run = pool.submit(swarm, "peer", SWARM_COORDINATOR=url)
-        flag_run = pool.submit(swarm, "peer", "--coordinator", url)
+        env_run = pool.submit(swarm, "peer", "--join-wait", "0", SWARM_COORDINATOR=url)
+        flag_run = pool.submit(swarm, "peer", "--join-wait", "0", "--coordinator", url)
     from_env, from_flag = env_run.result(), flag_run.result()
     assert from_env.returncode == from_flag.returncode == 2
     assert from_env.stderr == from_flag.stderr
@@ -79,7 +79,7 @@ def test_serving_a_stage_by_hand_ignores_the_environment():
 
 def test_train_takes_the_coordinator_from_the_environment():
     url = unused_url()
-    result = swarm("train", "--steps", "1", SWARM_COORDINATOR=url)
+    result = swarm("train", "--steps", "1", "--join-wait", "0", SWARM_COORDINATOR=url)
     assert result.returncode == 2
     assert f"cannot reach {url}" in result.stderr
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.config import load_config
 from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer, make_dht
@@ -49,7 +50,8 @@ def test_join_returns_the_config_and_initial_peers(join: dict):
 
 
 def test_state_lists_announced_peers_and_trainers(coordinator: str, client_dht):
-    peer_id, trainer_id = f"peer-{uuid.uuid4().hex[:8]}", f"trainer-{uuid.uuid4().hex[:8]}"
+    # A stage record counts only from the peer it names (swarm.records.read_stage): this node's own.
+    peer_id, trainer_id = client_dht.peer_id.to_base58(), f"trainer-{uuid.uuid4().hex[:8]}"
     peer = PeerRecord(peer_id=peer_id, stage=1, address="127.0.0.1:1", state="online", throughput=5.0)
     assert announce_peer(client_dht, "tiny", peer, ttl=LONG_TTL)
     assert announce_trainer(client_dht, "tiny", TrainerRecord(trainer_id=trainer_id, steps=3), ttl=LONG_TTL)
@@ -72,8 +74,38 @@ def test_state_lists_announced_peers_and_trainers(coordinator: str, client_dht):
     assert 0 <= state["age_s"] < 5 and state["read_at"] > time.time() - 10
 
 
+def test_trainers_spot_checks_are_in_state_and_summed_in_metrics(coordinator: str, client_dht):
+    spot = {"spot_checks": 7, "spot_disagreements": 3, "spot_bans": 1, "spot_banned": {"liar-peer": 1}}
+    records = [
+        TrainerRecord(trainer_id=f"spotter-{uuid.uuid4().hex[:8]}", wire_bytes=100, failures=2, **spot),
+        TrainerRecord(trainer_id=f"spotter-{uuid.uuid4().hex[:8]}", wire_bytes=50, spot_checks=5),
+    ]
+    for record in records:
+        assert announce_trainer(client_dht, "tiny", record, ttl=LONG_TTL)
+    ids = {r.trainer_id for r in records}
+    state = wait_for_state(coordinator, lambda s: ids <= {t["trainer_id"] for t in s["trainers"]})
+    listed = {t["trainer_id"]: t for t in state["trainers"]}
+    for r in records:
+        assert listed[r.trainer_id] == {**r.model_dump(), "updated": listed[r.trainer_id]["updated"]}
+
+    # A sum over every trainer listed: the module's other trainers are still listed (none spot-checks).
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{coordinator}/metrics", timeout=5).text)}
+    sums = {}
+    for name, field in [
+        ("swarm_spot_checks", "spot_checks"),
+        ("swarm_spot_disagreements", "spot_disagreements"),
+        ("swarm_spot_bans", "spot_bans"),
+        ("swarm_wire_bytes", "wire_bytes"),
+    ]:
+        assert families[name].type == "counter" and families[name].documentation, name
+        assert [sample.name for sample in families[name].samples] == [f"{name}_total"]
+        sums[name] = families[name].samples[0].value
+        assert sums[name] == sum(t[field] for t in state["trainers"]), name
+    assert (sums["swarm_spot_checks"], sums["swarm_spot_disagreements"], sums["swarm_spot_bans"]) == (12, 3, 1)
+
+
 def test_expired_records_vanish_from_state(coordinator: str, client_dht):
-    peer_id = f"brief-{uuid.uuid4().hex[:8]}"
+    peer_id = client_dht.peer_id.to_base58()  # on stage 0 (the test above announced it on stage 1)
     record = PeerRecord(peer_id=peer_id, stage=0, address="127.0.0.1:2", state="joining")
     assert announce_peer(client_dht, "tiny", record, ttl=2.0)
 

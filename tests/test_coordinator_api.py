@@ -215,6 +215,10 @@ def test_state_history_events_and_metrics_follow_the_run(trained: Swarm):
     assert families["swarm_global_step"].samples[0].value >= 8
     assert families["swarm_val_loss"].samples[0].value == pytest.approx(final["val_loss"])
     assert families["swarm_wire_bytes"].type == "counter" and families["swarm_wire_bytes"].samples[0].value > 0
+    # One peer per stage: nobody to compare a peer's answers with, so no spot check (swarm/verify.py).
+    assert all(t["spot_checks"] == t["spot_bans"] == 0 and t["spot_banned"] == {} for t in state["trainers"])
+    for name in ["swarm_spot_checks", "swarm_spot_disagreements", "swarm_spot_bans"]:
+        assert families[name].type == "counter" and families[name].samples[0].value == 0, name
     for name in ["swarm_stage_throughput_samples_per_second", "swarm_stage_bottleneck", "swarm_tokens_per_second"]:
         assert families[name].documentation
     assert "swarm_coordinator_view_age_seconds" in families and "swarm_loss" in families

@@ -12,6 +12,7 @@ how docs/dashboard.png is made).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -61,6 +62,7 @@ SNAPSHOT_JS = """() => {
     })),
     run_id: text(document, "#run-id"),
     step: text(document, "#global-step"),
+    spot: text(document, "#spot-checks"),
     freshness: text(document, "#freshness"),
     images: document.querySelectorAll("main img").length,
   };
@@ -164,6 +166,8 @@ def test_dashboard_follows_a_training_swarm_and_a_killed_peer(tmp_path, page):
         assert all(p["state"] == "online" for s in snap["stages"] for p in s["peers"])
         assert sum(s["bottleneck"] for s in snap["stages"]) >= 1
         assert snap["freshness"].startswith("updated")
+        # Two peers on stage 1: the trainer spot-checks each one's first answers against the other's.
+        dash.wait("spot checks", lambda s: re.fullmatch(r"[1-9][\d,]* / [\d,]+ / [\d,]+", s["spot"]), timeout=30)
         if os.environ.get("DASHBOARD_SCREENSHOT"):
             dash.wait("10 loss points", lambda s: s["loss_points"] >= 10, timeout=180)
             dash.screenshot(os.environ["DASHBOARD_SCREENSHOT"])

@@ -3,8 +3,9 @@
 A run started with `swarm coordinator --join-token` hands its config and DHT addresses only to
 those who send the token, and its stage workers answer only calls that carry it. Every record in
 the DHT is signed by its writer (hivemind's RSASignatureValidator on every node), so a forging DHT
-node can neither overwrite a live peer's record nor slip in a record nobody signed. Neither token
-ever shows in a log line, the API or the dashboard.
+node can neither overwrite a live peer's record nor slip in a record nobody signed; and a node's
+peer id derives from the key it signs with, so it cannot pass off a stage record as another peer's.
+Neither token ever shows in a log line, the API or the dashboard.
 """
 
 from __future__ import annotations
@@ -22,16 +23,22 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.cli import build_parser
 from swarm.client import SERVICE, StageClient
 from swarm.records import (
+    OWNER_MARKER,
     ControlState,
+    PeerRecord,
     announce_control,
+    announce_peer,
     announce_removed,
     maddr_peer_ids,
     make_dht,
+    owned_subkey,
     read_control,
     read_removed,
     read_stage,
     shutdown_dht,
+    signer_peer_id,
     stage_key,
+    visible_maddrs,
 )
 from swarm.rpc import pb
 from tests.processes import Proc, wait_for_state
@@ -46,7 +53,8 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     """A run with a join token and an operator token: one peer per stage, both given the token, and
-    a trainer with it that has finished STEPS steps."""
+    a trainer with it that has finished STEPS steps (`trainers`: the state's trainers, read before
+    the gone trainer's record expires)."""
     tmp = tmp_path_factory.mktemp("trust")
     path, run = config_with(tmp, FAST_AVERAGING)
     swarm = Swarm(tmp, path, ("--join-token", JOIN_TOKEN, "--token", OPERATOR_TOKEN))
@@ -70,6 +78,8 @@ def guarded(tmp_path_factory):
             tmp / "trainer.log",
         )
         swarm.finish_training(timeout=120)
+        finished = wait_for_state(swarm.url, lambda s: any(t["steps"] == STEPS for t in s["trainers"]))
+        swarm.trainers = finished["trainers"]
         yield swarm
     finally:
         swarm.close()
@@ -133,10 +143,8 @@ def test_a_run_with_a_join_token_trains(guarded):
     records = guarded.records()
     assert [r["step"] for r in records] == list(range(STEPS))
     assert all(r["loss"] > 0 for r in records)
-    state = wait_for_state(
-        guarded.url, lambda s: all(peer_record(s, n)["optimizer_steps"] == STEPS for n in ("p0", "p1"))
-    )
-    assert state["trainers"] and state["trainers"][0]["steps"] == STEPS
+    wait_for_state(guarded.url, lambda s: all(peer_record(s, n)["optimizer_steps"] == STEPS for n in ("p0", "p1")))
+    assert [t["steps"] for t in guarded.trainers] == [STEPS]
 
 
 def test_tokens_never_show_in_logs_api_or_dashboard(guarded):
@@ -167,7 +175,7 @@ class ForeignSignature(RSASignatureValidator):
         return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
 
 
-def test_a_forging_node_cannot_overwrite_or_invent_records(tmp_path):
+def test_a_forging_node_cannot_overwrite_invent_or_impersonate_records(tmp_path):
     swarm = Swarm(tmp_path)
     forgers: list[hivemind.DHT] = []
     dhts: list[hivemind.DHT] = []
@@ -191,7 +199,10 @@ def test_a_forging_node_cannot_overwrite_or_invent_records(tmp_path):
             forger.store(key, forged, expires, subkey=subkey)  # over the victim's record
             forger.store(key, fake, expires, subkey="fake-peer" + victim_key)  # a new one in the victim's name
             forger.store(key, fake, expires, subkey="fake-peer")  # one that names no owner
-        # Its own records it can sign, but the operator's word counts only from the coordinator.
+        # Its own records it can sign, but a stage record counts only from the peer it names, and
+        # the operator's word only from the coordinator.
+        impostor = PeerRecord.model_validate(dict(forged, public_name="impostor"))
+        assert announce_peer(dhts[0], "tiny", impostor, ttl=600, timeout=10)  # the victim's id, under its own key
         assert announce_removed(dhts[0], "tiny", genuine["peer_id"], timeout=10)
         assert announce_control(dhts[0], "tiny", ControlState(paused=True), timeout=10)
         dhts.append(make_dht(peers, client_mode=True))  # a reader that joins after the forgery
@@ -206,11 +217,25 @@ def test_a_forging_node_cannot_overwrite_or_invent_records(tmp_path):
             assert not httpx.get(f"{swarm.url}/api/v1/state", timeout=5).json()["paused"]
             time.sleep(0.5)
         assert swarm.peers["victim"].popen.poll() is None, "the victim left on a forged removal"
-        assert genuine["peer_id"] in read_removed(dhts[1], "tiny")  # the forgery is there, and ignored
+        assert genuine["peer_id"] in read_removed(dhts[1], "tiny")  # the forgeries are there, and ignored
+        assert owned_subkey(dhts[0], genuine["peer_id"]) in dhts[1].get(key, latest=True).value
     finally:
         for dht in [*forgers, *dhts]:
             shutdown_dht(dht)
         swarm.close()
+
+
+def test_a_nodes_peer_id_derives_from_the_key_it_signs_with():
+    dhts = [make_dht()]
+    try:
+        dhts.append(make_dht(visible_maddrs(dhts[0]), client_mode=True))  # a second node of this process
+        dhts.append(make_dht(visible_maddrs(dhts[0]), client_mode=True, record_key=RSAPrivateKey()))
+        for dht in dhts:
+            assert signer_peer_id(OWNER_MARKER.search(dht.record_owner).group(1)) == dht.peer_id.to_base58()
+        assert len({dht.peer_id for dht in dhts}) == len(dhts)
+    finally:
+        for dht in dhts:
+            shutdown_dht(dht)
 
 
 def test_the_join_token_comes_from_the_environment_unless_flagged(monkeypatch):

@@ -76,3 +76,94 @@ def test_batched_forwards_give_each_request_its_own_result():
                 assert torch.allclose(out, worker.stage(x), atol=1e-5)
     finally:
         worker.close()
+
+
+def leaves_during_compute():
+    """An `active` callable of a caller that waits when its work is taken and has left by the time
+    the work is done (its call timed out, or the worker's process was frozen meanwhile)."""
+    answers = iter([True])
+    return lambda: next(answers, False)
+
+
+def grads_of(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+
+
+def test_a_gradient_whose_caller_left_during_the_compute_is_not_kept():
+    """The last stage's training forward of two callers, batched; one leaves while it runs. Only the
+    other's gradient is kept (as if it had come alone) and only its samples count as served."""
+    from concurrent.futures import Future
+
+    import grpc
+    import torch.nn.functional as F
+
+    from peer.requests import RequestError
+
+    run = load_config(CONFIGS / "tiny.toml")
+    worker = StageWorker(run, 1, torch.device("cpu"))
+    try:
+        torch.manual_seed(0)
+        x = {k: torch.randn(2, 16, run.model.d_model) for k in "ab"}
+        y = {k: torch.randint(0, run.model.vocab_size, (2, 16)) for k in "ab"}
+        reference = StageWorker(run, 1, torch.device("cpu"))  # same seeded init, served alone
+        reference.stage.load_state_dict(worker.stage.state_dict())
+        worker.lock.acquire()  # queue both, so that they are batched
+        stays: Future = worker.submit(ForwardWork(x["a"], y["a"], True, 0.5, "a", 0))
+        leaves: Future = worker.submit(ForwardWork(x["b"], y["b"], True, 0.5, "b", 0), leaves_during_compute())
+        worker.lock.release()
+        result = stays.result(timeout=30)
+        err = leaves.exception(timeout=30)
+        assert isinstance(err, RequestError) and err.code == grpc.StatusCode.CANCELLED
+        assert worker.samples_served == 2 and worker.pending_ids == ["a"]
+
+        xa = x["a"].clone().requires_grad_(True)
+        logits = reference.stage(xa)
+        loss = F.cross_entropy(logits.transpose(1, 2), y["a"], reduction="none").mean(dim=1).mean()
+        (loss * 0.5).backward()
+        reference.close()
+        assert abs(result.loss - loss.item()) < 1e-5
+        assert torch.allclose(result.input_grad, xa.grad, atol=1e-6)
+        got, want = grads_of(worker.stage), grads_of(reference.stage)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.allclose(got[name], want[name], atol=1e-6), name
+    finally:
+        worker.close()
+
+
+def test_a_recorded_forward_whose_partner_left_is_run_again_from_its_input():
+    """Two backwards of recorded forwards (first stage), batched; one caller leaves during the
+    compute. The other's graph is spent by then: it is recomputed from its recorded input, and the
+    stage's gradient is the stayer's alone, added to what was accumulated before."""
+    run = load_config(CONFIGS / "tiny.toml")
+    worker = StageWorker(run, 0, torch.device("cpu"))
+    reference = StageWorker(run, 0, torch.device("cpu"))
+    reference.stage.load_state_dict(worker.stage.state_dict())
+    try:
+        torch.manual_seed(1)
+        tokens = {k: torch.randint(0, run.model.vocab_size, (2, 16)) for k in "pab"}
+        grad = {k: torch.randn(2, 16, run.model.d_model) for k in "pab"}
+        # Something accumulated before, which must stay.
+        worker.submit(BackwardWork(tokens["p"], grad["p"], "p", 0, (2, 16))).result(timeout=30)
+        for k in "ab":
+            worker.submit(ForwardWork(tokens[k], None, True, 0.0, k, 0)).result(timeout=30)
+        cached = {k: worker.claim_cached(k) for k in "ab"}
+        assert all(cached.values())
+        worker.lock.acquire()
+        stays = worker.submit(BackwardWork(None, grad["a"], "a", 0, (2, 16), cached=cached["a"]))
+        leaves = worker.submit(
+            BackwardWork(None, grad["b"], "b", 0, (2, 16), cached=cached["b"]), leaves_during_compute()
+        )
+        worker.lock.release()
+        assert stays.result(timeout=30) is None  # the first stage has no input gradient
+        assert leaves.exception(timeout=30) is not None
+        assert worker.pending_ids == ["p", "a"]
+
+        for k in "pa":
+            reference.stage(tokens[k]).backward(grad[k])
+        got, want = grads_of(worker.stage), grads_of(reference.stage)
+        for name in want:
+            assert torch.allclose(got[name], want[name], atol=1e-5), name
+    finally:
+        worker.close()
+        reference.close()

@@ -201,7 +201,24 @@ function renderHeader(state) {
   $("val-loss").textContent = fmtLoss(state.val_loss);
   const tokens = state.tokens_per_s ?? state.trainers.reduce((sum, t) => sum + t.tokens_per_s, 0);
   $("tokens-per-s").textContent = fmtRate(tokens);
+  const spot = (field) => fmtInt(state.trainers.reduce((sum, t) => sum + (t[field] ?? 0), 0));
+  $("spot-checks").textContent = `${spot("spot_checks")} / ${spot("spot_disagreements")} / ${spot("spot_bans")}`;
   $("paused").hidden = !state.paused;
+}
+
+// Peer id -> names of the trainers whose spot checks banned it (swarm/verify.py).
+function spotBanned(state) {
+  const banned = new Map();
+  for (const t of state.trainers) {
+    for (const peerId of Object.keys(t.spot_banned ?? {})) {
+      banned.set(peerId, [...(banned.get(peerId) ?? []), t.public_name || t.trainer_id.slice(0, 8)]);
+    }
+  }
+  return banned;
+}
+
+function bannedTitle(trainers) {
+  return `banned by the spot checks of trainer ${trainers.join(", ")}: its outputs disagreed with two agreeing peers`;
 }
 
 function renderFreshness() {
@@ -223,13 +240,15 @@ function renderFreshness() {
 function renderPipeline(state) {
   const allPeers = state.stages.flatMap((s) => s.peers);
   const fastest = Math.max(0, ...allPeers.map((p) => p.throughput));
+  const banned = spotBanned(state);
   const columns = [{ kind: "trainers", trainers: state.trainers }, ...state.stages.map((s) => ({ kind: "stage", s }))];
   reconcile(
     $("pipeline"),
     columns,
     (c) => (c.kind === "trainers" ? "trainers" : `stage-${c.s.index}`),
     (c) => (c.kind === "trainers" ? createTrainerColumn() : createStageColumn(c.s)),
-    (node, c) => (c.kind === "trainers" ? updateTrainerColumn(node, c.trainers) : updateStageColumn(node, c.s, fastest)),
+    (node, c) =>
+      c.kind === "trainers" ? updateTrainerColumn(node, c.trainers) : updateStageColumn(node, c.s, fastest, banned),
   );
 }
 
@@ -272,14 +291,14 @@ function createStageColumn(stage) {
   return section;
 }
 
-function updateStageColumn(section, stage, fastest) {
+function updateStageColumn(section, stage, fastest, banned) {
   section.classList.toggle("bottleneck", Boolean(stage.bottleneck));
   const [start, stop] = stage.layers;
   section.querySelector(".layers").textContent = stop - start === 1 ? `layer ${start}` : `layers ${start}–${stop - 1}`;
   section.querySelector(".total").textContent = `${fmtRate(stage.throughput)} samples/s · ${stage.online} online`;
   const peers = [...stage.peers].sort((a, b) => peerName(a).localeCompare(peerName(b)));
   reconcile(section.querySelector(".boxes"), peers, (p) => p.peer_id, createPeerBox, (box, p) =>
-    updatePeerBox(box, p, fastest),
+    updatePeerBox(box, p, fastest, banned.get(p.peer_id)),
   );
 }
 
@@ -292,12 +311,15 @@ function createPeerBox(peer) {
   return box;
 }
 
-function updatePeerBox(box, peer, fastest) {
+function updatePeerBox(box, peer, fastest, bannedBy) {
   box.dataset.state = peer.state;
-  box.title = `${peerName(peer)} (${peer.peer_id}) at ${peer.address}`;
+  box.classList.toggle("banned", Boolean(bannedBy));
+  const why = bannedBy ? `; ${bannedTitle(bannedBy)}` : "";
+  box.title = `${peerName(peer)} (${peer.peer_id}) at ${peer.address}${why}`;
   box.querySelector(".name").textContent = peerName(peer);
   const moving = isNumber(peer.moving_to) ? ` · moving to stage ${peer.moving_to}` : "";
-  box.querySelector(".meta").textContent = `${peer.device || "?"} · ${peer.state} · queue ${peer.queue}${moving}`;
+  const ban = bannedBy ? " · banned" : "";
+  box.querySelector(".meta").textContent = `${peer.device || "?"} · ${peer.state}${ban} · queue ${peer.queue}${moving}`;
   const share = fastest > 0 ? peer.throughput / fastest : 0;
   box.querySelector(".fill").style.width = `${(100 * share).toFixed(1)}%`;
   box.querySelector(".speed").textContent = `${fmtRate(peer.throughput)} samples/s`;
@@ -310,6 +332,7 @@ function renderPeerTable(state) {
     .flatMap((s) => s.peers)
     .sort((a, b) => a.stage - b.stage || peerName(a).localeCompare(peerName(b)));
   const now = coordinatorNow();
+  const banned = spotBanned(state);
   reconcile(
     $("peers").tBodies[0],
     peers,
@@ -328,7 +351,14 @@ function renderPeerTable(state) {
       cells[2].textContent = String(p.stage);
       cells[3].textContent = fmtRate(p.throughput);
       cells[4].textContent = String(p.queue);
+      const bannedBy = banned.get(p.peer_id);
+      row.classList.toggle("banned", Boolean(bannedBy));
       cells[5].replaceChildren(el("span", `state ${p.state}`, p.state));
+      if (bannedBy) {
+        const tag = el("span", "tag banned-tag", "banned");
+        tag.title = bannedTitle(bannedBy);
+        cells[5].append(" ", tag);
+      }
       cells[6].textContent = p.started > 0 ? fmtDuration(now - p.started) : "–";
       cells[7].textContent = p.version;
       cells[8].textContent = p.address;
