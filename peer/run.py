@@ -22,14 +22,16 @@ def serve_stage(
     device: str | None = None,
     threads: int | None = None,
     status_every: float = 30.0,
+    join_token: str | None = None,
 ) -> int:
+    """`join_token`: every call must carry it (peer/auth.py); None: anyone may call."""
     if not 0 <= stage < run.stages.count:
         raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
     if threads:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
     worker = StageWorker(run, stage, dev)
-    server, service, bound = start_server(worker, host, port)
+    server, service, bound = start_server(worker, host, port, join_token=join_token)
     layers = run.stage_layers(stage)
     print(
         f"stage {stage}/{run.stages.count} of run {run.run_id!r} (layers {layers.start}..{layers.stop - 1}) "

@@ -114,7 +114,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             host, _, port = a.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--peers: {a!r} is not HOST:PORT")
-        train_pipeline(run, addresses, steps, inflight=args.inflight, log_json=args.log_json)
+        train_pipeline(
+            run, addresses, steps, inflight=args.inflight, log_json=args.log_json, join_token=args.join_token
+        )
         return 0
     raise ConfigError("swarm train: choose where to train: --local (one process) or --peers ADDR0,ADDR1,...")
 
@@ -165,7 +167,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from peer.run import serve_stage
 
     run = load_config(args.config)
-    return serve_stage(run, args.stage, args.host, args.port, device=args.device, threads=args.threads)
+    return serve_stage(
+        run, args.stage, args.host, args.port, device=args.device, threads=args.threads, join_token=args.join_token
+    )
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -328,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --coordinator: share of forward calls spot-checked on a second peer (default: the run's "
         "verify.fraction; 0 disables)",
     )
-    add_join_token(train, "with --coordinator: the run's join token, if it has one")
+    add_join_token(train, "the run's join token, if it has one (with --peers: the stage workers')")
     add_join_wait(train)
     train.set_defaults(func=cmd_train)
 
@@ -392,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=50,
         help="with --coordinator: save a checkpoint every N optimizer steps (default 50)",
     )
-    add_join_token(peer, "with --coordinator: the run's join token, if it has one")
+    add_join_token(peer, "the run's join token, if it has one (with --config: what callers must send)")
     add_join_wait(peer)
     peer.set_defaults(func=cmd_peer)
 

@@ -36,16 +36,22 @@ class Pipeline:
     failures = 0  # calls that failed and were retried elsewhere (a static pipeline has no elsewhere)
     note: Callable[[str], None] = staticmethod(lambda text: None)  # a status line next to the progress bar
 
-    def __init__(self, run: RunConfig, addresses: list[str], timeout: float = 120.0):
+    def __init__(self, run: RunConfig, addresses: list[str], timeout: float = 120.0, join_token: str | None = None):
+        """`join_token`: sent with every call, for workers that require one."""
         if len(addresses) != run.stages.count:
             raise ConfigError(f"--peers: {len(addresses)} addresses for a run of {run.stages.count} stages")
         self.run, self.num_stages = run, run.stages.count
-        self.clients = [StageClient(a, run, timeout) for a in addresses]
+        self.clients = [StageClient(a, run, timeout, join_token=join_token) for a in addresses]
         self.trace = uuid.uuid4().hex[:12]
         for k, client in enumerate(self.clients):
             try:
                 info = client.info()
             except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise ConfigError(
+                        f"--peers: {client.address} refused the call: give the run's join token with --join-token "
+                        "(or $SWARM_JOIN_TOKEN)"
+                    ) from None
                 raise ConfigError(f"--peers: {client.address} does not answer ({err.code().name})") from None
             problems = []
             if info.run_id != run.run_id:
@@ -119,8 +125,10 @@ class Pipeline:
             c.close()
 
 
-def train_pipeline(run: RunConfig, addresses: list[str], steps: int, inflight: int = 4, log_json=None) -> list[dict]:
-    pipe = Pipeline(run, addresses)
+def train_pipeline(
+    run: RunConfig, addresses: list[str], steps: int, inflight: int = 4, log_json=None, join_token: str | None = None
+) -> list[dict]:
+    pipe = Pipeline(run, addresses, join_token=join_token)
     return run_training(
         run, pipe, steps, inflight, log_json, f"train ({run.stages.count} stages, {inflight} in flight)"
     )

@@ -249,3 +249,25 @@ def test_the_join_token_comes_from_the_environment_unless_flagged(monkeypatch):
     for command in commands:
         assert build_parser().parse_args(command).join_token == "from-the-environment"
         assert build_parser().parse_args([*command, "--join-token", "flagged"]).join_token == "flagged"
+
+
+def test_a_stage_served_by_hand_asks_for_the_token_given_to_it(tmp_path):
+    from tests.conftest import run_cli
+    from tests.processes import start_peer
+    from tests.test_swarm import TINY
+
+    workers = [start_peer(TINY, k, tmp_path, "--join-token", "by-hand-secret") for k in (0, 1)]
+    try:
+        peers = ",".join(address for _, address in workers)
+        refused = run_cli("train", "--config", str(TINY), "--peers", peers, "--steps", "2", timeout=120)
+        assert refused.returncode == 2, refused.stderr
+        assert "refused the call: give the run's join token" in refused.stderr
+        log = tmp_path / "train.jsonl"
+        args = ["--peers", peers, "--steps", "2", "--log-json", str(log), "--join-token", "by-hand-secret"]
+        done = run_cli("train", "--config", str(TINY), *args, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert len(log.read_text().splitlines()) == 2
+        assert all("by-hand-secret" not in proc.output() for proc, _ in workers)
+    finally:
+        for proc, _ in workers:
+            proc.stop()
