@@ -17,7 +17,8 @@ Definitions:
 - microbatches until the ban = the trainer's count of training microbatches up to and including
   the one whose check banned the liar (from its "spot check: banned peer" line);
 - tokens/s = the trainer's tokens / elapsed of its last step (the whole run);
-  overhead = 1 - (honest, checks on) / (honest, checks off).
+  overhead = 1 - median(honest, checks on) / median(honest, checks off) over `--repeat` pairs of
+  honest runs, on and off in turn (one run's tokens/s moves by several % from run to run).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -45,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=0.5, help="the liar's noise, x the RMS of its outputs")
     p.add_argument("--matchmaking", type=float, default=0.5, help="averaging.matchmaking_time_s (loopback)")
     p.add_argument("--tail", type=int, default=10, help="steps averaged into the final loss")
+    p.add_argument("--repeat", type=int, default=3, help="pairs of honest runs (checks on, off) for the overhead")
     p.add_argument("--log-dir", default=None)
 
 
@@ -96,24 +99,32 @@ def run(args: argparse.Namespace) -> str:
         "corrupted, checks on": (args.fraction, args.scale),
         "corrupted, checks off": (0.0, args.scale),
     }
+    order = [label for _ in range(args.repeat) for label in list(runs)[:2]] + list(runs)[2:]
     results: dict[str, tuple[list[dict], str]] = {}
-    for label, (fraction, scale) in runs.items():
-        run_dir = tmp / label.replace(", ", "-").replace(" ", "-")
+    speeds: dict[str, list[float]] = {label: [] for label in runs}
+    honest_bans = 0  # over every honest run
+    for i, label in enumerate(order):
+        fraction, scale = runs[label]
+        run_dir = tmp / f"{i}-{label.replace(', ', '-').replace(' ', '-')}"
         run_dir.mkdir(exist_ok=True)
-        print(f"{label}: --verify-fraction {fraction}, liar {scale or 'none'}", flush=True)
-        results[label] = run_swarm(config, args.steps, fraction, scale, run_dir)
+        print(f"run {i + 1}/{len(order)}, {label}: --verify-fraction {fraction}, liar {scale or 'none'}", flush=True)
+        records, out = run_swarm(config, args.steps, fraction, scale, run_dir)
+        results.setdefault(label, (records, out))  # the first run of each kind for the losses
+        speeds[label].append(records[-1]["tokens_per_s"])
+        if label.startswith("honest"):
+            honest_bans += len(BAN.findall(out))
 
     loss = {label: final(records, args.tail) for label, (records, _) in results.items()}
-    tps = {label: records[-1]["tokens_per_s"] for label, (records, _) in results.items()}
+    tps = {label: statistics.median(v) for label, v in speeds.items()}
     base = loss["honest, checks on"]
     ratio = loss["corrupted, checks on"] / base
     ratio_off = loss["corrupted, checks off"] / base
     overhead = 1 - tps["honest, checks on"] / tps["honest, checks off"]
+    spread = "; ".join(f"{label}: {', '.join(f'{v:,.0f}' for v in speeds[label])}" for label in list(runs)[:2])
     records, out = results["corrupted, checks on"]
     bans = BAN.findall(out)
     banned_after = int(bans[0][2]) * acc + int(bans[0][3]) + 1 if bans else None
     checks = {label: records[-1].get("spot_checks", 0) for label, (records, _) in results.items()}
-    honest_bans = sum(len(BAN.findall(o)) for label, (_, o) in results.items() if label.startswith("honest"))
 
     print("\nsummary", flush=True)
     rows = {
@@ -124,7 +135,8 @@ def run(args: argparse.Namespace) -> str:
         "microbatches until the ban": banned_after if banned_after is not None else "never banned",
         "bans in the honest runs": honest_bans,
         "spot checks made": ", ".join(f"{label}: {n}" for label, n in checks.items()),
-        f"overhead of checks at {args.fraction:g}": f"{overhead:.1%} of tokens/s",
+        f"overhead of checks at {args.fraction:g}": f"{overhead:.1%} of tokens/s (medians of {args.repeat} runs)",
+        "honest tokens/s, each run": spread,
         "logs": str(tmp),
     }
     width = max(map(len, rows))
@@ -162,8 +174,8 @@ def run(args: argparse.Namespace) -> str:
             f"goal corrupted within 3% of honest with checks on, liar banned: {goal}; {honest_bans} bans in the "
             f"honest runs; spot checks made (checks on): honest {checks['honest, checks on']}, corrupted "
             f"{checks['corrupted, checks on']} (every call is checked until each peer passed 2 checks); final loss "
-            f"= mean of the last {args.tail} steps; tokens/s over the whole run, one run each (noisy on a shared "
-            f"machine); matchmaking {args.matchmaking:g} s, loopback, 1 torch thread per peer; load avg "
+            f"= mean of the last {args.tail} steps; tokens/s over the whole run, median of {args.repeat} runs each "
+            f"({spread}); matchmaking {args.matchmaking:g} s, loopback, 1 torch thread per peer; load avg "
             f"{load_avg:.1f} at start",
         ],
     )

@@ -187,6 +187,12 @@ class VerifyConfig(_Strict):
     rtol: float | None = Field(
         None, gt=0, description="relative tolerance, norm(a - b) / norm(a) (default: from model.dtype and wire.codec)"
     )
+    ban_s: float = Field(
+        300.0,
+        ge=0,
+        description="a banned peer gets calls again after this long, each checked until it passes first_checks; "
+        "0: banned for the rest of the run",
+    )
 
 
 class RunConfig(_Strict):

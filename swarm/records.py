@@ -106,8 +106,8 @@ class TrainerRecord(BaseModel):
     wire_bytes: int = Field(0, ge=0)  # bytes sent and received by its stage calls
     spot_checks: int = Field(0, ge=0)  # forward answers compared with a second peer's (swarm/verify.py)
     spot_disagreements: int = Field(0, ge=0)  # ... that differed beyond the tolerance
-    spot_bans: int = Field(0, ge=0)  # peers banned for answers outvoted by two agreeing peers
-    spot_banned: dict[str, int] = Field(default_factory=dict)  # their peer ids -> their stage
+    spot_bans: int = Field(0, ge=0)  # bans of peers whose answers two agreeing peers outvoted (so far)
+    spot_banned: dict[str, int] = Field(default_factory=dict)  # the peers banned now: peer id -> stage
     updated: float = 0.0
 
 

@@ -71,7 +71,7 @@ class SwarmPipeline(Pipeline):
         self.run, self.num_stages = run, run.stages.count
         self.join_token = join_token
         v = run.verify
-        self.spot = SpotChecks(self.num_stages, v.fraction, v.strikes, v.first_checks, run.training.seed)
+        self.spot = SpotChecks(self.num_stages, v.fraction, v.strikes, v.first_checks, run.training.seed, v.ban_s)
         self.call_timeout = call_timeout
         self.trace = uuid.uuid4().hex[:12]
         self.dht = dht or make_dht(initial_peers, client_mode=True)
@@ -94,6 +94,8 @@ class SwarmPipeline(Pipeline):
     # -- membership --------------------------------------------------------------------------
 
     def refresh(self) -> None:
+        for peer in self.spot.release():
+            self.event(f"spot check: the ban of peer {peer} ended; its calls are checked until it passes again")
         view = read_swarm(self.dht, self.run.run_id, self.num_stages)
         if self.reconnector.check(view):  # a stage looks empty: maybe this node lost touch with the DHT
             view = read_swarm(self.dht, self.run.run_id, self.num_stages)
@@ -146,7 +148,7 @@ class SwarmPipeline(Pipeline):
                 "wire_bytes": record["wire_bytes"],
                 "spot_checks": self.spot.checks,
                 "spot_disagreements": self.spot.disagreements,
-                "spot_bans": len(self.spot.banned),
+                "spot_bans": self.spot.bans,
                 "spot_banned": dict(self.spot.banned),
             }
         )
@@ -275,7 +277,7 @@ class SwarmPipeline(Pipeline):
         return {
             "spot_checks": self.spot.checks,
             "spot_disagreements": self.spot.disagreements,
-            "spot_bans": len(self.spot.banned),
+            "spot_bans": self.spot.bans,
         }
 
     def bytes_on_wire(self) -> int:

@@ -9,7 +9,11 @@ the wire codec's rounding; the tolerance is derived from those two.
 
 When two answers disagree, a third peer of the stage arbitrates: the peer whose answer disagrees
 with both others while those two agree is the odd one out and gets a strike; after `strikes`
-strikes it is banned from this trainer's routing for the rest of the run. With only two peers (or
+strikes it is banned from this trainer's routing for `ban_s` seconds (0: for the rest of the run).
+A ban ends because an honest replica can be outvoted too: one that missed its stage's all-reduce
+answers with weights that are not the stage's until it takes the stage's state again. When the ban
+ends the peer starts over: no strikes, and every call of its stage is checked until it passes
+`first_checks` checks, so a liar is banned again within its next `strikes` checked calls. With only two peers (or
 when the third disagrees with both) nobody can tell which one is wrong: the disagreement is
 counted and nobody is banned, so one peer can never get an honest peer banned on its own word.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -105,14 +110,25 @@ class SpotChecks:
     """What one trainer knows from its spot checks: per stage, how often each peer was checked and
     outvoted; which peers it banned; the totals it reports."""
 
-    def __init__(self, num_stages: int, fraction: float, strikes: int = 2, first_checks: int = 2, seed: int = 0):
+    def __init__(
+        self,
+        num_stages: int,
+        fraction: float,
+        strikes: int = 2,
+        first_checks: int = 2,
+        seed: int = 0,
+        ban_s: float = 0.0,
+    ):
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
         if strikes < 1:
             raise ValueError(f"strikes must be >= 1, got {strikes}")
         self.fraction, self.strikes, self.first_checks, self.seed = fraction, strikes, first_checks, seed
+        self.ban_s = ban_s
         self.stages = [_StageState() for _ in range(num_stages)]
-        self.banned: dict[str, int] = {}  # peer id -> the stage it was banned on
+        self.banned: dict[str, int] = {}  # peer id -> the stage it is banned on (now)
+        self.ban_ends: dict[str, float] = {}  # peer id -> when its ban ends (time.monotonic())
+        self.bans = 0  # bans so far (a peer banned again counts again)
         self.checks = 0  # comparisons made
         self.disagreements = 0  # ... where the first two answers differed
         self.unresolved = 0  # ... and no third answer settled which one was wrong
@@ -136,12 +152,25 @@ class SpotChecks:
         passed = self.stages[stage].passed
         return min(candidates, key=lambda p: (passed.get(p, 0), p), default=None)
 
+    def release(self, now: float | None = None) -> list[str]:
+        """End the bans that are due (see the module docstring); returns those peers."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            ended = [p for p, end in self.ban_ends.items() if end <= now]
+            for peer in ended:
+                stage = self.banned.pop(peer)
+                del self.ban_ends[peer]
+                self.stages[stage].strikes.pop(peer, None)
+                self.stages[stage].passed.pop(peer, None)
+        return ended
+
     def judge(
         self,
         stage: int,
         answers: Sequence[tuple[str, torch.Tensor]],
         rtol: float,
         arbiter: Callable[[], tuple[str, torch.Tensor] | None] = lambda: None,
+        now: float | None = None,
     ) -> Verdict:
         """Judge one spot check from two peers' answers (peer id, answer); when they disagree,
         `arbiter` is asked for a third peer's (None: there is none)."""
@@ -171,4 +200,7 @@ class SpotChecks:
             banned = state.strikes[peer] >= self.strikes and peer not in self.banned
             if banned:
                 self.banned[peer] = stage
+                self.bans += 1
+                if self.ban_s > 0:
+                    self.ban_ends[peer] = (time.monotonic() if now is None else now) + self.ban_s
             return Verdict(agreed=False, odd=peer, banned=banned)

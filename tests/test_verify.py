@@ -109,6 +109,27 @@ def test_an_outvoted_peer_is_banned_after_its_strikes_and_the_others_never():
     assert (spot.checks, spot.disagreements, spot.unresolved) == (2, 2, 0)
 
 
+def test_a_ban_ends_after_ban_s_and_the_peer_starts_over_checked_on_every_call():
+    spot = SpotChecks(1, fraction=0.0001, strikes=2, first_checks=1, ban_s=300)
+    peers = ["a", "b", "p"]
+    x, bad = hidden(0), hidden(1)
+    for a in (x, x.clone()):
+        spot.judge(0, [("a", a), ("b", x.clone())], 1e-3)
+    for _ in range(2):  # e.g. a replica that missed its stage's all-reduce, at t = 1000 s
+        spot.judge(0, [("a", x), ("p", bad)], 1e-3, arbiter=lambda: ("b", x.clone()), now=1000.0)
+    assert spot.banned == {"p": 0} and spot.bans == 1
+    assert spot.release(now=1299.0) == [] and spot.banned == {"p": 0}
+    assert spot.release(now=1300.0) == ["p"] and spot.banned == {}
+    assert spot.due(0, "7.0", peers) and spot.checker(0, peers) == "p"  # new again: every call checked
+    spot.judge(0, [("a", x), ("p", x.clone())], 1e-3)  # it took the stage's state: it agrees
+    assert not spot.due(0, "7.0", peers) and spot.bans == 1
+    # A liar starts over too, and is banned again after its next `strikes` checks.
+    for _ in range(2):
+        spot.judge(0, [("a", x), ("p", bad)], 1e-3, arbiter=lambda: ("b", x.clone()), now=2000.0)
+    assert spot.banned == {"p": 0} and spot.bans == 2
+    assert SpotChecks(1, fraction=1.0, ban_s=0).release(now=1e12) == []  # 0: for the rest of the run
+
+
 def test_an_outvoted_peer_is_checked_on_every_call_until_it_passes_again():
     spot = SpotChecks(1, fraction=0.0001, strikes=3, first_checks=1)
     peers = ["a", "b", "liar"]
