@@ -36,7 +36,6 @@ from swarm.records import (
     TrainerRecord,
     announce_trainer,
     maddr_peer_ids,
-    make_dht,
     read_control,
     read_removed,
     read_swarm,
@@ -59,22 +58,22 @@ class SwarmPipeline(Pipeline):
         self,
         run: RunConfig,
         initial_peers: list[str],
+        dht: hivemind.DHT,
         call_timeout: float = 60.0,
         public_name: str = "",
         refresh_s: float = 2.0,
         join_token: str | None = None,
-        dht: hivemind.DHT | None = None,
     ):
         """`run.verify`: how many forward calls are spot-checked (swarm/verify.py); `join_token`: the
-        run's join token, sent with every call; `dht`: a client node of the run's DHT (default: one
-        started here from `initial_peers`)."""
+        run's join token, sent with every call; `dht`: a client node of the run's DHT, joined through
+        the coordinator at `initial_peers` (swarm.join.join_dht)."""
         self.run, self.num_stages = run, run.stages.count
         self.join_token = join_token
         v = run.verify
         self.spot = SpotChecks(self.num_stages, v.fraction, v.strikes, v.first_checks, run.training.seed, v.ban_s)
         self.call_timeout = call_timeout
         self.trace = uuid.uuid4().hex[:12]
-        self.dht = dht or make_dht(initial_peers, client_mode=True)
+        self.dht = dht
         self.coordinators = maddr_peer_ids(initial_peers)  # whose word on pauses and removals counts
         self.reconnector = Reconnector(self.dht, initial_peers)
         self.trainer = TrainerRecord(trainer_id=self.trace, public_name=public_name or f"trainer-{self.trace[:6]}")
@@ -84,7 +83,6 @@ class SwarmPipeline(Pipeline):
         self.lock = threading.Lock()
         self.failures = 0
         self.bans = 0  # failing peers banned (a peer that already left the routing is not banned)
-        self.events: list[str] = []
         self.control = ControlState()
         self._stop = threading.Event()
         self.refresh()
@@ -111,7 +109,6 @@ class SwarmPipeline(Pipeline):
 
     def event(self, text: str) -> None:
         """Something the operator may want to know, on its own line above the progress bar."""
-        self.events.append(text)
         tqdm.write(text, file=sys.stderr)
 
     def paused(self) -> bool:
@@ -317,7 +314,7 @@ def train_swarm(
     if verify_fraction is not None:
         run = run.model_copy(update={"verify": run.verify.model_copy(update={"fraction": verify_fraction})})
     pipe = SwarmPipeline(
-        run, initial_peers, call_timeout=call_timeout, public_name=public_name, join_token=join_token, dht=dht
+        run, initial_peers, dht, call_timeout=call_timeout, public_name=public_name, join_token=join_token
     )
     steps = steps or run.training.steps
     start = pipe.swarm_step()
