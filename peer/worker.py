@@ -205,6 +205,7 @@ class StageWorker:
         self.samples_served = 0  # samples whose gradients were accumulated
         self.samples_pending = 0  # ... since the last optimizer step
         self._next_resync = 0.0
+        self._waited_for = -1  # the last step whose sample count was waited for in vain (see _catch_up)
         self.sec_per_sample = {"forward": None, "backward": None}
         self.device_name = device_name(device)
         self._thread = threading.Thread(target=self._loop, name=f"stage-{stage}-compute", daemon=True)
@@ -329,6 +330,8 @@ class StageWorker:
             self._resync()  # the peer missed steps: take the stage's state
         if step != self.optimizer_steps + 1:
             return  # a stale trainer's gradient counts toward the current step, as in hivemind
+        if step <= self._waited_for:
+            return  # waited once already: every later request of the step would wait as long again
         deadline = time.monotonic() + self.run.averaging.sync_timeout_s
         while self.optimizer_steps < step and not self.queue.closed:
             if self.updater.behind(self.samples_pending):
@@ -340,7 +343,11 @@ class StageWorker:
                 if self.updater.started(self.samples_pending):
                     with self.lock:
                         self._step(force=True)
-                return  # nothing was served toward this step: there is nothing to apply
+                else:
+                    # Nothing was served toward this step here (the peers that served it died with
+                    # its gradients): there is nothing to apply, and the stage goes on one step behind.
+                    self._waited_for = step
+                return
             else:
                 time.sleep(0.02)
 

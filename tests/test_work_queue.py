@@ -167,3 +167,25 @@ def test_a_recorded_forward_whose_partner_left_is_run_again_from_its_input():
     finally:
         worker.close()
         reference.close()
+
+
+def test_a_step_whose_samples_never_come_is_waited_for_once():
+    """The peers that served a step died with its gradients: the first request of the next step waits
+    `sync_timeout_s` for the stage's count and goes on one step behind; later ones do not wait again
+    (each would outlast a caller whose timeout is no longer than that wait)."""
+    import time
+
+    run = load_config(CONFIGS / "tiny.toml")
+    run = run.model_copy(update={"averaging": run.averaging.model_copy(update={"sync_timeout_s": 2.0})})
+    worker = StageWorker(run, 1, torch.device("cpu"))
+    try:
+        x = torch.randn(1, 16, run.model.d_model)
+        took = []
+        for name in ("first", "second"):
+            start = time.monotonic()
+            worker.submit(ForwardWork(x, None, False, 0.0, name, 1)).result(timeout=30)
+            took.append(time.monotonic() - start)
+        assert took[0] >= 2.0 and took[1] < 1.0, took
+        assert worker.optimizer_steps == 0
+    finally:
+        worker.close()
