@@ -29,12 +29,12 @@ from pathlib import Path
 
 from benchmarks.plot import line_chart
 from benchmarks.procs import ROOT, Proc, log_dir, start_coordinator, start_peer, stop_all, wait_online
-from benchmarks.results import RESULTS, append_row, replace_section
+from benchmarks.results import append_row, replace_section, target
 from swarm.config import load_config
 
 SECTION = "averaging: S stages x R replicas (averaged) ÷ the reference trainer"
 CURVES = "averaging: loss curves"
-PLOT = RESULTS.parent / "averaging_loss.svg"
+PLOT_NAME = "averaging_loss.svg"  # beside the results file
 GOALS = {"none": 0.02, "int8": 0.03}
 
 
@@ -178,7 +178,8 @@ def run(args: argparse.Namespace) -> str:
         "plot: [averaging_loss.svg](averaging_loss.svg).\n\n" + "\n".join(lines)
     )
     replace_section(CURVES, body)
-    PLOT.write_text(
+    plot = target().parent / PLOT_NAME
+    plot.write_text(
         line_chart(
             {n: [(r["step"], r["loss"]) for r in c] for n, c in curves.items()},
             f"training loss, {Path(args.config).name}: swarm vs reference",
@@ -186,5 +187,5 @@ def run(args: argparse.Namespace) -> str:
             "loss",
         )
     )
-    print(f"plot: {PLOT}", flush=True)
+    print(f"plot: {plot}", flush=True)
     return "\n".join(rows)

@@ -8,6 +8,18 @@ import platform
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results.md"
+_target = RESULTS  # where rows go in this process: `write_to` points them elsewhere (smoke runs)
+
+
+def write_to(path: Path) -> None:
+    """Send this process's rows (and the files beside them, such as plots) to `path` instead."""
+    global _target
+    _target = Path(path)
+
+
+def target() -> Path:
+    """The results file rows go to now."""
+    return _target
 
 
 def machine() -> str:
@@ -28,8 +40,9 @@ def machine() -> str:
     return desc
 
 
-def append_row(section: str, columns: list[str], values: list, path: Path = RESULTS) -> str:
+def append_row(section: str, columns: list[str], values: list, path: Path | None = None) -> str:
     """Append one row under `## section` (creating the section and its header when new)."""
+    path = path or _target
     row = "| " + " | ".join([dt.date.today().isoformat(), machine(), *map(str, values)]) + " |"
     header = ["date", "machine", *columns]
     text = path.read_text() if path.exists() else "# Benchmark results\n\nRows: `python -m benchmarks NAME`.\n"
@@ -46,8 +59,9 @@ def append_row(section: str, columns: list[str], values: list, path: Path = RESU
     return row
 
 
-def replace_section(section: str, body: str, path: Path = RESULTS) -> None:
+def replace_section(section: str, body: str, path: Path | None = None) -> None:
     """Put `body` under `## section`, replacing what was there (for tables rewritten on every run)."""
+    path = path or _target
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     marker = f"## {section}\n"
     head, found, tail = text.partition(marker)

@@ -17,7 +17,7 @@ ENV PYTHONUNBUFFERED=1 \
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 WORKDIR /opt/swarm
 COPY . .
-RUN pip install torch==2.13.0 -e .
+RUN pip install -c constraints.txt torch==2.13.0 -e .
 
 RUN useradd --create-home --uid 1000 swarm \
     && mkdir -p /var/lib/swarm \

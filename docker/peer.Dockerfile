@@ -28,7 +28,7 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install torch==2.13.0
 WORKDIR /opt/swarm
 COPY . .
-RUN pip install torch==2.13.0 -e .
+RUN pip install -c constraints.txt torch==2.13.0 -e .
 
 USER 1000:1000
 WORKDIR /home/swarm

@@ -71,7 +71,7 @@ def test_state_lists_announced_peers_and_trainers(coordinator: str, client_dht):
     assert stage1["peers"][0]["state"] == "online" and stage1["peers"][0]["address"] == "127.0.0.1:1"
     assert stage0["peers"] == [] and stage0["online"] == 0 and stage0["throughput"] == 0.0 and stage0["bottleneck"]
     assert next(t for t in state["trainers"] if t["trainer_id"] == trainer_id)["steps"] == 3
-    assert 0 <= state["age_s"] < 5 and state["read_at"] > time.time() - 10
+    assert 0 <= state["age_s"] < 60 and state["read_at"] > time.time() - 60  # a view of now, not of long ago
 
 
 def test_trainers_spot_checks_are_in_state_and_summed_in_metrics(coordinator: str, client_dht):

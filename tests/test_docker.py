@@ -187,7 +187,7 @@ def test_coordinator_image_is_a_pinned_python_3_11_slim():
 
 @pytest.mark.parametrize("dockerfile", [PEER_DOCKERFILE, COORDINATOR_DOCKERFILE], ids=lambda p: p.stem)
 def test_images_install_the_project_like_the_readme(dockerfile):
-    assert readme_install() == "pip install torch==2.13.0 -e ."
+    assert readme_install() == "pip install -c constraints.txt torch==2.13.0 -e ."
     assert readme_install() in run_commands(dockerfile)
     assert arguments(dockerfile, "COPY") == [". ."]
     assert arguments(dockerfile, "USER") == ["1000:1000"]  # not root
