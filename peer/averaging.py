@@ -39,6 +39,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import InvalidStateError
 from functools import partial
 
 import hivemind
@@ -49,10 +50,15 @@ from hivemind.utils import get_dht_time
 from peer.checkpoint import Checkpoint
 from swarm.config import RunConfig
 from swarm.optim import make_optimizer, param_groups, primed
-from swarm.records import TTL_S
+from swarm.records import TTL_S, answering
 from swarm.schedule import lr_at
 
 log = logging.getLogger("swarm.averaging")
+
+# Before each step the other replicas are pinged: one that does not answer in this time is not
+# waited for in the all-reduce (a live one answers in milliseconds on a LAN, well under 1 s over the
+# internet).
+PING_TIMEOUT_S = 1.0
 
 
 def grads_finite(module: torch.nn.Module) -> bool:
@@ -134,6 +140,10 @@ class LocalUpdater:
         self.optimizer.zero_grad(set_to_none=True)
         self.epoch += 1
         return used
+
+    def skip_to(self, step: int) -> None:
+        """Count the steps up to `step` as taken, applying nothing (their gradients are gone)."""
+        self.epoch = max(self.epoch, step)
 
     def load_state(self) -> str:
         return self.source
@@ -230,17 +240,30 @@ class NormExchange:
         self.timeout, self.note = timeout, note
         self.step = 0  # the global step being taken, set by the updater before each step
 
+    def key(self, step: int) -> str:
+        return f"{self.run_id}_gradnorm_{step}".replace(".", "_")
+
+    def publish(self, step: int, squared: float) -> None:
+        """This stage's share of global step `step` (0.0 for a step it skipped)."""
+        if self.stages > 1:
+            self.dht.store(self.key(step), subkey=self.stage, value=squared, expiration_time=get_dht_time() + 120)
+
     def __call__(self, squared: float) -> float:
         if self.stages == 1:
             return math.sqrt(squared)
-        key = f"{self.run_id}_gradnorm_{self.step}".replace(".", "_")
-        self.dht.store(key, subkey=self.stage, value=squared, expiration_time=get_dht_time() + 120)
+        key = self.key(self.step)
+        self.publish(self.step, squared)
         deadline = time.monotonic() + self.timeout
         while True:
             found = self.dht.get(key, latest=True)
             shares = {}
             if found is not None and isinstance(found.value, dict):
-                shares = {k: v.value for k, v in found.value.items() if isinstance(v.value, float)}
+                # A share that is not a finite non-negative number is nobody's honest norm.
+                shares = {
+                    k: v.value
+                    for k, v in found.value.items()
+                    if isinstance(v.value, float) and math.isfinite(v.value) and v.value >= 0
+                }
             if len(shares) >= self.stages and all(k in shares for k in range(self.stages)):
                 return math.sqrt(sum(shares[k] for k in range(self.stages)))
             if time.monotonic() > deadline:
@@ -248,6 +271,46 @@ class NormExchange:
                 self.note(f"stage {self.stage} step {self.step}: no gradient norm from stage(s) {missing}; own norm")
                 return math.sqrt(squared)
             time.sleep(0.02)
+
+
+class PartnerWatch:
+    """While a step runs, pings the replicas it averages with every WATCH_PERIOD_S; once none
+    answers (or when there were none to begin with), cancels any averaging round, and hivemind
+    applies this replica's own gradient. A replica that dies in the middle of a round otherwise holds
+    the others until averaging_timeout_s, and hivemind may start a round with a dead replica that
+    its tracker still lists."""
+
+    WATCH_PERIOD_S = 0.5
+    ALONE_PERIOD_S = 0.05  # with nobody to average with, any round is cancelled about this fast
+
+    def __init__(self, opt: hivemind.Optimizer, partners: set[bytes]):
+        self.opt, self.partners = opt, list(partners)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="partner-watch", daemon=True)
+        self.cancelled = 0  # rounds cancelled
+
+    def __enter__(self) -> PartnerWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(PING_TIMEOUT_S + 1)
+
+    def _watch(self) -> None:
+        alone = not self.partners
+        while not self.stop.wait(self.ALONE_PERIOD_S if alone else self.WATCH_PERIOD_S):
+            if not alone:
+                alone = not answering(self.opt.dht, self.partners, timeout=PING_TIMEOUT_S)
+                if alone:
+                    log.warning("the replicas this step averages with stopped answering: it goes on alone")
+            control = self.opt.scheduled_grads
+            # Only a round that began: hivemind cancels one it did not begin itself, and a second
+            # cancel raises inside its step.
+            if alone and control is not None and control.triggered and not control.done() and not self.stop.is_set():
+                with contextlib.suppress(InvalidStateError):  # it finished meanwhile
+                    control.cancel()
+                    self.cancelled += 1
 
 
 class SwarmUpdater:
@@ -265,6 +328,7 @@ class SwarmUpdater:
         self.source = "the seeded init"
         self.missed = False  # the last all-reduce left this replica out
         self.failed_loads = 0  # loads in a row that brought nothing new while missed
+        self.loaded_at: int | None = None  # the step of the last load of the stage's state
         self.check = ReplicaCheck(dht, f"{self.prefix}_digests", dht.peer_id.to_base58())
         self.last_step: dict = {}
         groups = param_groups(module, t.weight_decay)
@@ -327,9 +391,16 @@ class SwarmUpdater:
 
     def behind(self, pending: int) -> bool:
         """This replica's weights are not the stage's: it missed a step (served nothing toward it, or
-        was away), or its last all-reduce did not include the others. It must load their state."""
+        was away), or its last all-reduce did not include the others. It must load their state: when
+        the others are ahead, until it has; when only its weights differ, once per step (a load that
+        brought nothing new, say while the others were still mid-step, waits for the next step
+        rather than downloading the stage's state again and again)."""
         epoch = self.opt.tracker.global_epoch
-        if self.missed or epoch > self.epoch + 1 or (epoch == self.epoch + 1 and pending == 0):
+        if epoch > self.epoch + 1 or (epoch == self.epoch + 1 and pending == 0):
+            return True
+        if self.loaded_at == self.epoch:
+            return False
+        if self.missed:
             return True
         if self.check.diverged(expected=max(2, self.opt.tracker.global_progress.num_peers)):
             self.missed = True
@@ -367,10 +438,19 @@ class SwarmUpdater:
             # hivemind's tracker also ends an epoch when its estimated time of arrival has passed.
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.eta_next_epoch = get_dht_time()
+        partners = answering(self.opt.dht, self._partners(), timeout=PING_TIMEOUT_S)
+        if not partners:
+            # No other replica of the stage is there to average with: step alone at once. hivemind
+            # counts a replica that died until its progress record expires (TTL_S) and looks for a
+            # group with it until averaging_timeout_s (10 s): that stalled the whole pipeline right
+            # after one peer of a 2 x 2 swarm was killed.
+            with self.opt.tracker.pause_updates():
+                self.opt.tracker.global_progress.num_peers = 1
         before, control = self.epoch, self.opt.scheduled_grads
         self.norms.step = before
         started = time.perf_counter()
-        self.opt.step(batch_size=pending)
+        with PartnerWatch(self.opt, partners):
+            self.opt.step(batch_size=pending)
         if self.epoch != before + 1:
             # No step: the tracker's view changed between the check and the step (a fetch landed),
             # or hivemind found this peer out of sync and loaded the stage's state. Take back what
@@ -405,15 +485,50 @@ class SwarmUpdater:
         self.check.publish(self.epoch, weights_digest(self.module))
         return pending
 
+    def skip_to(self, step: int) -> None:
+        """Count the steps up to `step` as taken, applying nothing: none of their samples reached a live
+        peer of this stage. The learning rate follows the step; the other stages do not wait for this
+        one's gradient norm (its share of the skipped steps is 0: it applies nothing)."""
+        if step <= self.epoch:
+            return
+        for skipped in range(self.epoch, step):
+            self.norms.publish(skipped, 0.0)
+        averager = self.opt.state_averager
+        with averager.lock_averaged_tensors:
+            # As load_checkpoint: hivemind has no public way to move the epoch without a step.
+            averager.local_epoch = step
+            averager._update_scheduler()
+        self.opt.grad_averager.reset_accumulated_grads_()
+        self.opt.tracker.report_local_progress(self.epoch, 0)
+        averager.state_sharing_priority = self.opt.grad_averager.state_sharing_priority = self.epoch
+        self.check.publish(self.epoch, weights_digest(self.module))
+
     def _scale(self, factor: float) -> None:
         for p in self.module.parameters():
             if p.grad is not None:
                 p.grad.mul_(factor)
 
+    def _partners(self) -> list[bytes]:
+        """The other replicas of the stage that hivemind's tracker lists (peer ids): those an
+        all-reduce would look for, the dead among them until their progress records expire."""
+        found = self.opt.dht.get(self.opt.tracker.training_progress_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        me, partners = self.opt.dht.peer_id.to_bytes(), []
+        for item in found.value.values():
+            report = getattr(item, "value", None)
+            if isinstance(report, dict) and not report.get("client_mode"):
+                peer = report.get("peer_id")
+                if isinstance(peer, bytes) and peer != me:
+                    partners.append(peer)
+        return partners
+
     def _group_size(self, previous) -> int:
         """How many peers the all-reduce of the step just taken included (1: it averaged alone)."""
         control = self.opt.scheduled_grads
-        if control is None or control is previous or not control.done() or control.exception() is not None:
+        if control is None or control is previous or not control.done() or control.cancelled():
+            return 1
+        if control.exception() is not None:
             return 1
         return len(control.result())
 
@@ -424,6 +539,7 @@ class SwarmUpdater:
         digest = weights_digest(self.module)
         if others:
             self.opt.load_state_from_peers()
+            self.loaded_at = self.epoch
             # At step 0 the stage's state is the seeded init, whoever handed it over.
             self.source = f"peers of stage {self.stage} at step {self.epoch}" if self.epoch else "the seeded init"
             if self.missed and weights_digest(self.module) == digest:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from hivemind.utils import get_dht_time
 
 from peer.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, writable_dir
 from peer.service import start_server
@@ -42,10 +43,12 @@ from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.join import join_dht
 from swarm.placement import pick_stage
-from swarm.rebalance import should_move
+from swarm.rebalance import Steadiness, should_move
 from swarm.records import (
     REFRESH_S,
+    TTL_S,
     PeerRecord,
+    SwarmView,
     announce_peer,
     maddr_peer_ids,
     read_removed,
@@ -114,6 +117,10 @@ class PeerDaemon:
         )
         self.server = self.worker = None
         self.measured = 0.0
+        self.view: SwarmView | None = None  # the swarm as the last `watch` read it
+        # A record not refreshed for two periods is likely a dead peer's; the membership must hold
+        # still for a record's whole time to live, so that any peer that died before is gone from it.
+        self.steadiness = Steadiness(settle_s=TTL_S, max_age_s=2 * REFRESH_S)
 
     @property
     def name(self) -> str:
@@ -150,6 +157,7 @@ class PeerDaemon:
             address=announce_address(self.host, self.port, self.announce_host),
             device=self.worker.device_name,
             throughput=self.measured,
+            capacity=self.measured,
             state="online",
             samples_served=0,
             optimizer_steps=self.worker.optimizer_steps,
@@ -225,11 +233,18 @@ class PeerDaemon:
             flush=True,
         )
 
+    def watch(self) -> bool:
+        """Read the swarm and tell whether it is steady enough to rebalance on (swarm/rebalance.py:
+        `Steadiness`); called at every refresh, so that a change between two checks is seen."""
+        self.view = read_swarm(self.dht, self.run.run_id, self.run.stages.count)
+        return self.steadiness.observe(self.view, get_dht_time())
+
     def rebalance(self) -> None:
-        """Move to the stage the swarm needs most, when that is clearly better (swarm/rebalance.py)."""
-        target = should_move(
-            read_swarm(self.dht, self.run.run_id, self.run.stages.count), self.record, self.run.rebalance.margin
-        )
+        """Move to the stage the swarm needs most, when that is clearly better (swarm/rebalance.py),
+        judged on the view the last `watch` read."""
+        if self.view is None:
+            return
+        target = should_move(self.view, self.record, self.run.rebalance.margin)
         if target is None:
             return
         source = self.record.stage
@@ -329,7 +344,8 @@ def run_peer(
                 print(f"peer {peer.name}: removed from the run by the operator", flush=True)
                 break  # and leave as on SIGTERM
             peer.refresh()
-            if rebalance and time.monotonic() >= check_at:
+            # A check that falls due while the swarm is unsteady waits for it to settle.
+            if rebalance and peer.watch() and time.monotonic() >= check_at:
                 peer.rebalance()
                 check_at = next_check()
             if time.monotonic() - last_status > 30:

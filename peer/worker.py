@@ -205,7 +205,7 @@ class StageWorker:
         self.samples_served = 0  # samples whose gradients were accumulated
         self.samples_pending = 0  # ... since the last optimizer step
         self._next_resync = 0.0
-        self._waited_for = -1  # the last step whose sample count was waited for in vain (see _catch_up)
+        self.skipped_steps: list[int] = []  # global steps whose gradients never reached this stage (_catch_up)
         self.sec_per_sample = {"forward": None, "backward": None}
         self.device_name = device_name(device)
         self._thread = threading.Thread(target=self._loop, name=f"stage-{stage}-compute", daemon=True)
@@ -325,13 +325,19 @@ class StageWorker:
 
     def _catch_up(self, step: int) -> None:
         """Work for global step `step` needs the weights after `step` steps: take the step before it
-        first, once the stage has served its batch (or the wait for the count times out)."""
-        if step > self.optimizer_steps + 1 and isinstance(self.updater, SwarmUpdater):
+        first, once the stage has served its batch (or the wait for the count times out).
+
+        The stage's step count stays the trainer's global step: a step none of whose samples reached
+        a live peer of the stage (the peers that served it died with its gradients) is skipped, not
+        left to shift every later step by one (each later step would then wait for a count that never
+        comes, and exchange gradient norms with the other stages under the wrong step)."""
+        if step > self.optimizer_steps + 1:
             self._resync()  # the peer missed steps: take the stage's state
+            if step > self.optimizer_steps + 1:
+                # No live peer of the stage is past them, so none holds their gradients either.
+                self._skip_to(step, "no live peer of the stage took them")
         if step != self.optimizer_steps + 1:
             return  # a stale trainer's gradient counts toward the current step, as in hivemind
-        if step <= self._waited_for:
-            return  # waited once already: every later request of the step would wait as long again
         deadline = time.monotonic() + self.run.averaging.sync_timeout_s
         while self.optimizer_steps < step and not self.queue.closed:
             if self.updater.behind(self.samples_pending):
@@ -343,13 +349,33 @@ class StageWorker:
                 if self.updater.started(self.samples_pending):
                     with self.lock:
                         self._step(force=True)
-                else:
-                    # Nothing was served toward this step here (the peers that served it died with
-                    # its gradients): there is nothing to apply, and the stage goes on one step behind.
-                    self._waited_for = step
+                if self.optimizer_steps < step:
+                    self._skip_to(step, "none of its samples reached a live peer of the stage")
                 return
             else:
                 time.sleep(0.02)
+
+    def _skip_to(self, step: int, why: str) -> None:
+        """Take the stage's step count to `step` without applying anything: the gradients of the
+        steps in between are gone. Gradients held for an older step are dropped with them."""
+        with self.lock:
+            skipped = list(range(self.optimizer_steps, step))
+            if not skipped:
+                return
+            if self.samples_pending:
+                log.warning(
+                    "stage %d: dropped %d samples' gradients of step %d",
+                    self.stage_index,
+                    self.samples_pending,
+                    self.optimizer_steps,
+                )
+                self.samples_pending, self.pending_ids = 0, []
+                self.stage.zero_grad(set_to_none=False)
+            self.updater.skip_to(step)
+            self.skipped_steps.extend(skipped)
+            with self._cache_lock:
+                self.cache.clear()
+        print(f"stage {self.stage_index}: skipped step(s) {skipped}: {why}", flush=True)
 
     @staticmethod
     def _drop_cancelled(batch: list[_Task]) -> list[_Task]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 
 import grpc
@@ -12,6 +14,20 @@ from swarm.rpc import pb
 
 SERVICE = "/swarm.Stage/"
 AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
+
+
+# The deadline of the calls made in this context, when a caller sets one (`deadline`).
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("stage_call_deadline", default=None)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Calls made inside get `seconds` each, instead of their client's timeout (an explicit one wins)."""
+    token = _deadline.set(seconds)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
 
 
 def bearer(token: str) -> str:
@@ -67,7 +83,8 @@ class StageClient:
         return parse
 
     def call(self, method: str, request: Message, timeout: float | None = None) -> Message:
-        return self._methods[method](request, timeout=timeout or self.timeout, metadata=self._metadata)
+        timeout = timeout or _deadline.get() or self.timeout
+        return self._methods[method](request, timeout=timeout, metadata=self._metadata)
 
     def forward(
         self,

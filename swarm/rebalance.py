@@ -1,31 +1,31 @@
-"""Should a peer move to another stage? A pure function of the peers' announced throughputs.
+"""Should a peer move to another stage? A pure function of the peers' announced capacities.
 
 Every peer computes the same best assignment of peers to stages from the same DHT view (the one
 that maximises the stage totals from the lowest up, moving as few peers as possible), and moves
-to its stage there only when that assignment is better than today's by a clear margin
-(hysteresis, so that peers do not thrash) and its leaving does not empty its stage. Moving one
-peer at a time toward a common target reaches assignments that single greedy moves cannot (a
-swap of two peers, say): from all peers on one stage, a simulation over random speeds ends within
-10% of the brute-force optimum, where greedy single moves stop as low as 0.68 of it. Peers check
-at randomised times, so two peers rarely act on the same picture at once.
+to its stage there only when that assignment lifts the swarm's lowest stage total (the pipeline's
+throughput) above today's by a clear margin (hysteresis, so that peers do not thrash) and its
+leaving does not empty its stage. Moving one peer at a time toward a common target reaches
+assignments that single greedy moves cannot (a swap of two peers, say): from all peers on one
+stage, a simulation over random speeds ends within 10% of the brute-force optimum, where greedy
+single moves stop as low as 0.68 of it. Peers check at randomised times, so two peers rarely act
+on the same picture at once.
+
+A peer acts only on a picture it can trust (`Steadiness`): every record fresh, and the swarm's
+membership unchanged for a while. A peer that dies leaves its record in the DHT until it expires;
+acted on, that record makes a survivor leave the stage the dead peer no longer serves (a 2 x 2
+swarm that lost one peer moved peers back and forth and stalled the trainer for minutes). Peers
+are weighed by their capacity, the throughput their device measured on a benchmark (the same for
+every stage up to the stage's compute per token), not by the speed they served at lately, which
+moves with the load of the moment (after a failure, the survivors' queues).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+from dataclasses import dataclass, field
 
 from swarm.records import PeerRecord, SwarmView
-
-
-def clearly_better(new: list[float], old: list[float], margin: float) -> bool:
-    """Leximin with hysteresis: compare the stage totals from the lowest up; at the first place
-    where they differ, the new one must be higher by more than `margin`. Comparing beyond the
-    minimum lets peers fill several empty stages one after another (each single move leaves the
-    minimum at 0 until the last one)."""
-    for a, b in zip(sorted(new), sorted(old), strict=True):
-        if abs(a - b) > 1e-9 * max(abs(a), abs(b), 1.0):
-            return a > b * (1 + margin) if b > 0 else a > 0
-    return False
 
 
 def best_assignment(throughputs: list[float], current: list[int], num_stages: int) -> list[int]:
@@ -51,21 +51,24 @@ def best_assignment(throughputs: list[float], current: list[int], num_stages: in
 
 
 def move_for(throughputs: list[float], current: list[int], me: int, num_stages: int, margin: float = 0.1) -> int | None:
-    """Where peer `me` should go: its stage in the best assignment, when that assignment is clearly
-    better than today's and leaving does not empty its stage; else None (stay)."""
+    """Where peer `me` should go: its stage in the best assignment, when that assignment lifts the
+    lowest stage total above today's by more than `margin` and leaving does not empty its stage;
+    else None (stay). A move that leaves the lowest stage where it is (it would only lift others)
+    is never worth its cost: the peer stops serving while it downloads the new stage's state."""
     if throughputs[me] <= 0:
         return None
     target = best_assignment(throughputs, current, num_stages)
     if target[me] == current[me] or sum(1 for c in current if c == current[me]) <= 1:
         return None
 
-    def totals(assign: list[int]) -> list[float]:
+    def lowest(assign: list[int]) -> float:
         out = [0.0] * num_stages
         for x, k in zip(throughputs, assign, strict=True):
             out[k] += x
-        return out
+        return min(out)
 
-    return target[me] if clearly_better(totals(target), totals(current), margin) else None
+    now, then = lowest(current), lowest(target)
+    return target[me] if then > now * (1 + margin) and then > 0 else None
 
 
 def placements(view: SwarmView) -> list[tuple[str, int, float]]:
@@ -73,20 +76,48 @@ def placements(view: SwarmView) -> list[tuple[str, int, float]]:
     those in the middle of a move, counted on the stage they are moving to (leaving with
     `moving_to`, then joining with the throughput they announced before). Without the movers, a
     peer checking during someone's move sees the target stage still short and moves as well."""
-    best: dict[str, tuple[int, int, float]] = {}  # peer id -> (rank, stage, throughput)
+    best: dict[str, tuple[int, int, float]] = {}  # peer id -> (rank, stage, capacity)
     for records in view.stages:
         for p in records:
             if p.state == "online":
                 rank, stage = 0, p.stage
-            elif p.state == "joining" and p.throughput > 0:
+            elif p.state == "joining" and capacity(p) > 0:
                 rank, stage = 1, p.stage
             elif p.state == "leaving" and p.moving_to is not None and p.moving_to < len(view.stages):
                 rank, stage = 2, p.moving_to
             else:
                 continue
             if p.peer_id not in best or rank < best[p.peer_id][0]:
-                best[p.peer_id] = (rank, stage, p.throughput)
+                best[p.peer_id] = (rank, stage, capacity(p))
     return sorted(((pid, stage, x) for pid, (_, stage, x) in best.items()), key=lambda t: (t[1], t[0]))
+
+
+def capacity(p: PeerRecord) -> float:
+    """What a move decision weighs a peer by: its measured capacity (older peers announce none: their
+    throughput)."""
+    return p.capacity if p.capacity > 0 else p.throughput
+
+
+@dataclass
+class Steadiness:
+    """Whether the swarm's picture can be acted on: no record older than `max_age_s` (a peer that died
+    leaves a record that stops being refreshed), and the membership (who is on which stage, in which
+    state) unchanged for `settle_s` (a change, e.g. a record that expired, shows the swarm is still
+    moving). Fed every view a peer reads, with the DHT time it was read at; no clock of its own."""
+
+    settle_s: float
+    max_age_s: float
+    members: frozenset = field(default_factory=frozenset)
+    since: float = -math.inf
+
+    def observe(self, view: SwarmView, now: float) -> bool:
+        """Take in `view`, read at `now` (DHT time); True when it is steady enough to act on."""
+        records = [p for stage in view.stages for p in stage]
+        members = frozenset((p.peer_id, p.stage, p.state, p.moving_to) for p in records)
+        if members != self.members:
+            self.members, self.since = members, now
+        fresh = all(now - p.updated <= self.max_age_s for p in records)
+        return fresh and now - self.since >= self.settle_s
 
 
 def should_move(view: SwarmView, me: PeerRecord, margin: float = 0.1) -> int | None:

@@ -79,6 +79,7 @@ class PeerRecord(BaseModel):
     public_name: str = ""
     device: str = ""
     throughput: float = Field(0.0, ge=0)  # samples/s of forward + backward on this stage
+    capacity: float = Field(0.0, ge=0)  # ... as its device's benchmark measured it (steady; rebalancing weighs it)
     queue: int = Field(0, ge=0)
     state: PeerState = "joining"
     version: str = __version__
@@ -417,27 +418,50 @@ def reconnect(dht: hivemind.DHT, maddrs: list[str], timeout: float = 10.0) -> in
     peers again. So a client node (a trainer) whose known nodes have all gone — volunteers leaving,
     the coordinator restarting — is cut off for good: every read comes back empty. hivemind has no
     call for this, hence the node's own ping, which is how it bootstraps."""
-    targets: dict[PeerID, list[Multiaddr]] = {}
+    targets: dict[str, list[str]] = {}  # peer id -> its multiaddrs (strings: they cross to the DHT process)
     for m in maddrs:
         with contextlib.suppress(Exception):  # a malformed address is skipped, not fatal
-            addr = Multiaddr(m)
-            targets.setdefault(PeerID.from_base58(addr["p2p"]), []).append(addr)
-
-    async def ping(_dht, node) -> int:
-        async def one(peer: PeerID, addrs: list[Multiaddr]) -> bool:
-            with contextlib.suppress(Exception):  # unreachable now: the ping below fails as well
-                await node.p2p._client.connect(peer, addrs)
-            return await node.protocol.call_ping(peer, validate=False, strict=False) is not None
-
-        answers = await asyncio.gather(*(one(p, a) for p, a in targets.items()), return_exceptions=True)
-        return sum(a is True for a in answers)
-
+            targets.setdefault(Multiaddr(m)["p2p"], []).append(m)
     if not targets:
         return 0
     try:
-        return dht.run_coroutine(ping, return_future=True).result(timeout=timeout)
+        answers = dht.run_coroutine(functools.partial(_ping, targets=targets, timeout=timeout), return_future=True)
+        return sum(answers.result(timeout=timeout + 1))
     except Exception:  # the DHT process is gone, or the pings took too long: the next round retries
         return 0
+
+
+async def _ping(_dht, node, targets: dict[str, list[str]], timeout: float) -> list[bool]:
+    """In the DHT process (`DHT.run_coroutine` pickles what it runs, so this lives at module level):
+    dial each peer at its multiaddrs, if any, and ping it; whether each answered within `timeout`."""
+
+    async def one(peer_id: str, maddrs: list[str]) -> bool:
+        peer = PeerID.from_base58(peer_id)
+        if maddrs:
+            with contextlib.suppress(Exception):  # unreachable now: the ping below fails as well
+                await node.p2p._client.connect(peer, [Multiaddr(m) for m in maddrs])
+        return await node.protocol.call_ping(peer, validate=False, strict=False) is not None
+
+    async def bounded(peer_id: str, maddrs: list[str]) -> bool:
+        return await asyncio.wait_for(one(peer_id, maddrs), timeout)
+
+    answers = await asyncio.gather(*(bounded(p, m) for p, m in targets.items()), return_exceptions=True)
+    return [a is True for a in answers]
+
+
+def answering(dht: hivemind.DHT, peers: list[bytes], timeout: float = 1.0) -> set[bytes]:
+    """Which of these DHT peers (peer ids as bytes) answer a ping within `timeout` seconds. A peer
+    whose process died answers none: on loopback its refused connection says so at once, elsewhere
+    the timeout does."""
+    if not peers:
+        return set()
+    targets = {PeerID(p).to_base58(): [] for p in peers}
+    try:
+        answers = dht.run_coroutine(functools.partial(_ping, targets=targets, timeout=timeout), return_future=True)
+        found = answers.result(timeout=timeout + 1)
+    except Exception:  # the DHT process is gone, or it did not answer in time: nobody is known to answer
+        return set()
+    return {p for p, ok in zip(peers, found, strict=True) if ok}
 
 
 class Reconnector:

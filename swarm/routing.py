@@ -4,7 +4,13 @@ SWARM routes each microbatch through one peer per stage, choosing the peer that 
 ("interleaved weighted round robin"). The estimate is `max(now, busy_until) + samples / throughput`: because
 `pick` reserves the work it hands out, a peer three times faster absorbs three times as many of the microbatches
 kept in flight, without any explicit weights. Peers that fail are banned with exponential back-off and come back
-when the ban expires; one success forgives them.
+when the ban expires; one success forgives them. A ban is a preference, not a refusal: when every usable peer of a
+stage is banned, the one whose ban ends first is asked rather than none (a stage whose only live peer failed once,
+say in a slow all-reduce, must not stall the trainer for the whole back-off).
+
+Each call's deadline follows the peer's measured latency (`deadline`): a few times the slowest of its recent calls,
+so a peer that froze is given up on in seconds, while one that is merely busy (a stage's optimizer step holds its
+calls for a while every global step) is not.
 
 Nothing here touches the network, threads or the clock: every method that needs the time takes `now` (seconds),
 so the policy is deterministic and can be tested with a virtual clock.
@@ -45,6 +51,7 @@ class _Peer:
     announced: float  # samples/s the peer announced in the DHT; 0.0 when it has not measured itself yet
     busy_until: float  # when the work already reserved on it is expected to be done
     observed: float | None = None  # moving average of the throughput the trainer measured
+    latency: float | None = None  # slowest recent call, seconds (decays toward newer ones)
     outstanding: int = 0
     failures: int = 0
     banned_until: float = -math.inf
@@ -63,6 +70,11 @@ def _check_samples(samples: int) -> None:
 
 class Router:
     """Routing state of one pipeline stage, kept by the trainer."""
+
+    # How a peer's latency forgets a slow call: each later call keeps this much of it. Slowly, because the
+    # slow calls recur: the first ones of every global step wait for the stage's optimizer step (a few per 40
+    # calls of configs/tiny.toml), and forgetting them between steps would time out the next step's.
+    LATENCY_DECAY = 0.98
 
     def __init__(self, ema_alpha: float = 0.3, ban_base_s: float = 1.0, ban_max_s: float = 60.0) -> None:
         if not 0.0 < ema_alpha <= 1.0:
@@ -102,8 +114,9 @@ class Router:
         state = self._peers.get(peer)
         return state is not None and now < state.banned_until
 
-    def pick(self, samples: int, now: float, exclude: Collection[str] = ()) -> str | None:
-        """Reserve `samples` on the usable peer expected to finish them first; None when no peer is usable."""
+    def pick(self, samples: int, now: float, exclude: Collection[str] = (), banned_ok: bool = False) -> str | None:
+        """Reserve `samples` on the usable peer expected to finish them first; None when no peer is usable.
+        `banned_ok`: when every peer not excluded is banned, take the one whose ban ends first."""
         _check_samples(samples)
         stand_in = self._stand_in_throughput()
         best: tuple[float, str] | None = None
@@ -114,6 +127,12 @@ class Router:
             # Comparing (finish, id) tuples breaks ties by peer id, so the choice never depends on dict order.
             if best is None or (finish, peer_id) < best:
                 best = (finish, peer_id)
+        if best is None and banned_ok:
+            banned = [(peer.banned_until, peer_id) for peer_id, peer in self._peers.items() if peer_id not in exclude]
+            if banned:
+                _, peer_id = min(banned)
+                peer = self._peers[peer_id]
+                best = (max(now, peer.busy_until) + samples / self._throughput(peer, stand_in), peer_id)
         if best is None:
             return None
         finish, peer_id = best
@@ -121,6 +140,21 @@ class Router:
         chosen.busy_until = finish
         chosen.outstanding += samples
         return peer_id
+
+    def deadline(self, peer: str, floor: float, cap: float, factor: float = 4.0) -> float:
+        """Seconds to give a call to `peer`: `factor` x its slowest recent call (which includes the
+        waits of its stage's optimizer steps), within [floor, cap]; `cap` until one call came back."""
+        state = self._peers.get(peer)
+        if state is None or state.latency is None:
+            return cap
+        return min(cap, max(floor, factor * state.latency))
+
+    def answered(self, peer: str, seconds: float) -> None:
+        """A call to `peer` (any kind) came back after `seconds` in all, its queue included."""
+        state = self._peers.get(peer)
+        if state is not None and math.isfinite(seconds) and seconds >= 0:
+            decayed = state.latency * self.LATENCY_DECAY if state.latency is not None else 0.0
+            state.latency = max(seconds, decayed)
 
     def done(self, peer: str, samples: int, seconds: float, now: float) -> None:
         """A call to `peer` with `samples` samples succeeded after `seconds`."""

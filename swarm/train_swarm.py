@@ -26,7 +26,7 @@ import hivemind
 import torch
 from tqdm import tqdm
 
-from swarm.client import StageClient
+from swarm.client import StageClient, deadline
 from swarm.config import RunConfig
 from swarm.join import join_dht
 from swarm.records import (
@@ -51,6 +51,10 @@ T = TypeVar("T")
 
 # Codes that say "this request is wrong", not "this peer is unwell": retrying elsewhere won't help.
 REQUEST_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED}
+
+# The shortest deadline a call gets, however fast its peer answered lately (Router.deadline; the longest
+# is --call-timeout).
+MIN_CALL_TIMEOUT_S = 1.0
 
 
 class SwarmPipeline(Pipeline):
@@ -184,7 +188,10 @@ class SwarmPipeline(Pipeline):
                     peer = router.pick(samples, now, exclude=tried | set(avoid))
                 if peer is None:
                     peer = router.pick(samples, now, exclude=tried)
+                if peer is None:  # every live peer not tried yet is banned: ask the first to come back
+                    peer = router.pick(samples, now, exclude=tried, banned_ok=True)
                 address = self.addresses[stage].get(peer) if peer else None
+                timeout = router.deadline(peer, MIN_CALL_TIMEOUT_S, self.call_timeout) if peer else 0.0
             if peer is None or address is None:
                 if tried:  # every peer failed once: try them all again after the wait
                     tried.clear()
@@ -197,11 +204,14 @@ class SwarmPipeline(Pipeline):
                 waited = False
             start = time.monotonic()
             try:
-                response = fn(self.client(address))
+                with deadline(timeout):
+                    response = fn(self.client(address))
             except grpc.RpcError as err:
                 if err.code() in REQUEST_FAULTS:
                     raise
                 with self.lock:
+                    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        router.answered(peer, timeout)  # slower than thought: give it longer next time
                     ban = router.failed(peer, samples, time.monotonic())
                     self.failures += 1
                     if ban > 0:
@@ -209,8 +219,10 @@ class SwarmPipeline(Pipeline):
                 self.event(f"stage {stage} peer {peer[-8:]} failed ({err.code().name}); banned {ban:.0f} s")
                 tried.add(peer)
                 continue
-            elapsed = time.monotonic() - start - getattr(response, "queue_s", 0.0)
+            took = time.monotonic() - start
+            elapsed = took - getattr(response, "queue_s", 0.0)
             with self.lock:
+                router.answered(peer, took)
                 if timed:
                     router.done(peer, samples, elapsed, time.monotonic())
                 else:

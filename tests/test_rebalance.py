@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from swarm.rebalance import best_assignment, clearly_better, move_for, should_move
+from swarm.rebalance import Steadiness, best_assignment, move_for, should_move
 from swarm.records import PeerRecord, SwarmView
 
 
@@ -67,14 +67,64 @@ def test_best_assignment_moves_as_few_peers_as_possible():
     assert best_assignment([1.0, 1.0, 1.0, 1.0], [0, 1, 1, 0], 2) == [0, 1, 1, 0]
 
 
-def test_leximin_fills_empty_stages_one_after_another():
-    assert clearly_better([0.0, 1.0, 3.0], [0.0, 0.0, 4.0], 0.1)
-    assert not clearly_better([2.0, 2.1], [2.0, 2.1], 0.1)
-    assert not clearly_better([2.1, 2.0], [1.95, 2.15], 0.1)
+def test_empty_stages_are_filled_one_after_another():
+    speeds, assign = [1.0] * 6, [0] * 6
+    assign, moves = settle(speeds, 3, assign)
+    assert sorted(assign) == [0, 0, 1, 1, 2, 2] and moves == 4
 
 
-def record(name: str, stage: int, throughput: float, state: str = "online") -> PeerRecord:
-    return PeerRecord(peer_id=name, stage=stage, address="127.0.0.1:1", throughput=throughput, state=state)
+def test_a_move_that_lifts_only_a_stage_above_the_lowest_is_not_made():
+    # Stage 0 is the bottleneck (1.0) whatever happens: moving a peer from stage 2 to stage 1
+    # would lift stage 1 alone and cost a download.
+    speeds, assign = [1.0, 1.5, 1.0, 1.0], [0, 1, 2, 2]
+    assert all(move_for(speeds, assign, i, 3) is None for i in range(4))
+
+
+def test_one_peer_of_a_two_by_two_swarm_lost_moves_nobody():
+    # The survivors of equal speed: either side of 2 + 1 is as good as the other.
+    assert all(move_for([1.0, 1.0, 1.0], [0, 0, 1], i, 2) is None for i in range(3))
+    # Survivors of unequal speed: one move that lifts the lowest stage (1 -> 2), then none.
+    assert [move_for([3.0, 1.0, 1.0], [0, 0, 1], i, 2) for i in range(3)] == [None, 1, None]
+    assert settle([3.0, 1.0, 1.0], 2, [0, 0, 1]) == ([0, 1, 1], 1)
+
+
+def record(name: str, stage: int, throughput: float, state: str = "online", **more) -> PeerRecord:
+    return PeerRecord(peer_id=name, stage=stage, address="127.0.0.1:1", throughput=throughput, state=state, **more)
+
+
+def test_moves_weigh_the_measured_capacity_not_the_speed_of_the_moment():
+    # Right after a failure the lone peer of stage 1 serves at its fastest (its batches are full)
+    # and the stage-0 peers idle: by the speeds of that moment stage 0 is the bottleneck.
+    busy = [record("a", 0, 0.4, capacity=1.0), record("b", 0, 0.4, capacity=1.0)]
+    lone = record("c", 1, 2.0, capacity=1.0)
+    view = SwarmView(stages=[busy, [lone]], trainers=[], read_at=0.0)
+    assert [should_move(view, p) for p in [*busy, lone]] == [None, None, None]
+
+
+def test_a_swarm_is_steady_once_its_membership_held_still_and_every_record_is_fresh():
+    steady = Steadiness(settle_s=12.0, max_age_s=8.0)
+    peers = [record(n, k, 1.0, updated=100.0) for n, k in [("a", 0), ("b", 0), ("c", 1), ("d", 1)]]
+
+    def view(records, now):
+        return SwarmView(stages=[[p for p in records if p.stage == k] for k in (0, 1)], trainers=[], read_at=now)
+
+    assert not steady.observe(view(peers, 100.0), 100.0)  # first sight: not yet held still
+    fresh = [p.model_copy(update={"updated": 108.0}) for p in peers]
+    assert not steady.observe(view(fresh, 108.0), 108.0)
+    fresh = [p.model_copy(update={"updated": 112.0}) for p in peers]
+    assert steady.observe(view(fresh, 112.5), 112.5)
+    # "d" dies: its record stops being refreshed. Once it is older than max_age_s, nobody acts.
+    dead = fresh[3]
+    alive = [p.model_copy(update={"updated": 120.5}) for p in fresh[:3]]
+    assert steady.observe(view([*alive, dead], 120.0), 120.0)  # 8 s: it might still be a slow refresh
+    assert not steady.observe(view([*alive, dead], 121.0), 121.0)
+    # Its record expires: the membership changed, and it must hold still again for settle_s.
+    alive = [p.model_copy(update={"updated": 124.0}) for p in alive]
+    assert not steady.observe(view(alive, 124.5), 124.5)
+    alive = [p.model_copy(update={"updated": 132.0}) for p in alive]
+    assert not steady.observe(view(alive, 132.5), 132.5)
+    alive = [p.model_copy(update={"updated": 136.0}) for p in alive]
+    assert steady.observe(view(alive, 136.5), 136.5)
 
 
 def test_should_move_reads_the_swarm_view():

@@ -248,6 +248,39 @@ def test_pick_returns_none_when_every_peer_is_excluded_or_banned():
     assert [s.outstanding for s in router.stats(now=0.0)] == [0, 0]  # a refused pick reserves nothing
 
 
+def test_when_every_peer_is_banned_the_first_to_come_back_is_asked_if_banned_ok():
+    router = Router(ban_base_s=1.0)
+    router.update_peers({"a": 1.0, "b": 1.0, "c": 1.0}, now=0.0)
+    for _ in range(3):
+        router.failed("a", samples=1, now=0.0)  # banned 4 s
+    router.failed("b", samples=1, now=0.0)  # banned 1 s
+    router.failed("c", samples=1, now=0.0)
+    router.failed("c", samples=1, now=0.0)  # banned 2 s
+    assert router.pick(1, now=0.5) is None
+    assert router.pick(1, now=0.5, banned_ok=True) == "b"
+    assert router.pick(1, now=0.5, exclude={"b"}, banned_ok=True) == "c"
+    assert router.pick(1, now=0.5, exclude={"a", "b", "c"}, banned_ok=True) is None
+    assert Router().pick(1, now=0.0, banned_ok=True) is None
+
+
+def test_a_calls_deadline_is_a_few_times_its_peers_slowest_recent_call():
+    router = Router()
+    router.update_peers({"a": 1.0}, now=0.0)
+    assert router.deadline("a", floor=1.0, cap=30.0) == 30.0  # nothing measured yet: the cap
+    assert router.deadline("gone", floor=1.0, cap=30.0) == 30.0
+    router.answered("a", 0.1)
+    assert router.deadline("a", floor=1.0, cap=30.0) == 1.0  # fast answers: the floor
+    router.answered("a", 2.0)  # a call that waited for the stage's optimizer step
+    assert router.deadline("a", floor=1.0, cap=30.0) == pytest.approx(8.0)
+    for _ in range(10):
+        router.answered("a", 0.1)
+    assert 4.0 < router.deadline("a", floor=1.0, cap=30.0) < 8.0  # it is forgotten slowly
+    router.answered("a", 100.0)
+    assert router.deadline("a", floor=1.0, cap=30.0) == 30.0
+    router.answered("a", float("nan"))  # garbage is ignored
+    assert router.deadline("a", floor=1.0, cap=30.0) == 30.0
+
+
 def test_pick_with_no_peers_returns_none():
     assert Router().pick(1, now=0.0) is None
 
