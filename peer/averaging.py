@@ -287,7 +287,6 @@ class PartnerWatch:
         self.opt, self.partners = opt, list(partners)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="partner-watch", daemon=True)
-        self.cancelled = 0  # rounds cancelled
 
     def __enter__(self) -> PartnerWatch:
         self.thread.start()
@@ -310,7 +309,6 @@ class PartnerWatch:
             if alone and control is not None and control.triggered and not control.done() and not self.stop.is_set():
                 with contextlib.suppress(InvalidStateError):  # it finished meanwhile
                     control.cancel()
-                    self.cancelled += 1
 
 
 class SwarmUpdater:
@@ -526,9 +524,9 @@ class SwarmUpdater:
     def _group_size(self, previous) -> int:
         """How many peers the all-reduce of the step just taken included (1: it averaged alone)."""
         control = self.opt.scheduled_grads
-        if control is None or control is previous or not control.done() or control.cancelled():
+        if control is None or control is previous or not control.done():
             return 1
-        if control.exception() is not None:
+        if control.cancelled() or control.exception() is not None:  # exception() raises on a cancelled one
             return 1
         return len(control.result())
 

@@ -117,7 +117,6 @@ class PeerDaemon:
         )
         self.server = self.worker = None
         self.measured = 0.0
-        self.view: SwarmView | None = None  # the swarm as the last `watch` read it
         # A record not refreshed for two periods is likely a dead peer's; the membership must hold
         # still for a record's whole time to live, so that any peer that died before is gone from it.
         self.steadiness = Steadiness(settle_s=TTL_S, max_age_s=2 * REFRESH_S)
@@ -233,18 +232,15 @@ class PeerDaemon:
             flush=True,
         )
 
-    def watch(self) -> bool:
-        """Read the swarm and tell whether it is steady enough to rebalance on (swarm/rebalance.py:
-        `Steadiness`); called at every refresh, so that a change between two checks is seen."""
-        self.view = read_swarm(self.dht, self.run.run_id, self.run.stages.count)
-        return self.steadiness.observe(self.view, get_dht_time())
+    def watch(self) -> SwarmView | None:
+        """Read the swarm; the view when it is steady enough to rebalance on (swarm/rebalance.py:
+        `Steadiness`), else None. Called at every refresh, so that a change between two checks is seen."""
+        view = read_swarm(self.dht, self.run.run_id, self.run.stages.count)
+        return view if self.steadiness.observe(view, get_dht_time()) else None
 
-    def rebalance(self) -> None:
-        """Move to the stage the swarm needs most, when that is clearly better (swarm/rebalance.py),
-        judged on the view the last `watch` read."""
-        if self.view is None:
-            return
-        target = should_move(self.view, self.record, self.run.rebalance.margin)
+    def rebalance(self, view: SwarmView) -> None:
+        """Move to the stage the swarm needs most, when that is clearly better (swarm/rebalance.py)."""
+        target = should_move(view, self.record, self.run.rebalance.margin)
         if target is None:
             return
         source = self.record.stage
@@ -345,8 +341,9 @@ def run_peer(
                 break  # and leave as on SIGTERM
             peer.refresh()
             # A check that falls due while the swarm is unsteady waits for it to settle.
-            if rebalance and peer.watch() and time.monotonic() >= check_at:
-                peer.rebalance()
+            view = peer.watch() if rebalance else None
+            if view is not None and time.monotonic() >= check_at:
+                peer.rebalance(view)
                 check_at = next_check()
             if time.monotonic() - last_status > 30:
                 last_status = time.monotonic()

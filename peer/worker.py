@@ -362,15 +362,7 @@ class StageWorker:
             skipped = list(range(self.optimizer_steps, step))
             if not skipped:
                 return
-            if self.samples_pending:
-                log.warning(
-                    "stage %d: dropped %d samples' gradients of step %d",
-                    self.stage_index,
-                    self.samples_pending,
-                    self.optimizer_steps,
-                )
-                self.samples_pending, self.pending_ids = 0, []
-                self.stage.zero_grad(set_to_none=False)
+            self._drop_pending()
             self.updater.skip_to(step)
             self.skipped_steps.extend(skipped)
             with self._cache_lock:
@@ -544,11 +536,15 @@ class StageWorker:
                         p.grad.copy_(g)  # hivemind zeroed the buffers when it loaded the state
                 self.updater.served(self.samples_pending)
             else:
-                if self.samples_pending:
-                    print(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients", flush=True)
-                self.samples_pending, self.pending_ids = 0, []
-                self.stage.zero_grad(set_to_none=False)
+                self._drop_pending()
         print(f"stage {self.stage_index}: caught up to step {self.optimizer_steps} from {source}", flush=True)
+
+    def _drop_pending(self) -> None:
+        """Forget the gradients accumulated since the last step (their step is gone). Under the lock."""
+        if self.samples_pending:
+            print(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients", flush=True)
+        self.samples_pending, self.pending_ids = 0, []
+        self.stage.zero_grad(set_to_none=False)
 
     def _step(self, force: bool = False) -> None:
         before = self.optimizer_steps

@@ -422,13 +422,19 @@ def reconnect(dht: hivemind.DHT, maddrs: list[str], timeout: float = 10.0) -> in
     for m in maddrs:
         with contextlib.suppress(Exception):  # a malformed address is skipped, not fatal
             targets.setdefault(Multiaddr(m)["p2p"], []).append(m)
+    return sum(_pinged(dht, targets, timeout))  # none answering: the next round retries
+
+
+def _pinged(dht: hivemind.DHT, targets: dict[str, list[str]], timeout: float) -> list[bool]:
+    """Whether each of `targets` (peer id -> multiaddrs to dial first, if any) answered a ping within
+    `timeout`; all False when the DHT process is gone or does not answer in time."""
     if not targets:
-        return 0
+        return []
     try:
         answers = dht.run_coroutine(functools.partial(_ping, targets=targets, timeout=timeout), return_future=True)
-        return sum(answers.result(timeout=timeout + 1))
-    except Exception:  # the DHT process is gone, or the pings took too long: the next round retries
-        return 0
+        return answers.result(timeout=timeout + 1)
+    except Exception:
+        return [False] * len(targets)
 
 
 async def _ping(_dht, node, targets: dict[str, list[str]], timeout: float) -> list[bool]:
@@ -453,14 +459,8 @@ def answering(dht: hivemind.DHT, peers: list[bytes], timeout: float = 1.0) -> se
     """Which of these DHT peers (peer ids as bytes) answer a ping within `timeout` seconds. A peer
     whose process died answers none: on loopback its refused connection says so at once, elsewhere
     the timeout does."""
-    if not peers:
-        return set()
-    targets = {PeerID(p).to_base58(): [] for p in peers}
-    try:
-        answers = dht.run_coroutine(functools.partial(_ping, targets=targets, timeout=timeout), return_future=True)
-        found = answers.result(timeout=timeout + 1)
-    except Exception:  # the DHT process is gone, or it did not answer in time: nobody is known to answer
-        return set()
+    peers = list(dict.fromkeys(peers))
+    found = _pinged(dht, {PeerID(p).to_base58(): [] for p in peers}, timeout)
     return {p for p, ok in zip(peers, found, strict=True) if ok}
 
 
