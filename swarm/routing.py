@@ -55,6 +55,7 @@ class _Peer:
     outstanding: int = 0
     failures: int = 0
     banned_until: float = -math.inf
+    failed_at: float = -math.inf  # when the last failure that counted toward the back-off was reported
 
     def known_throughput(self) -> float | None:
         """Our own measurement beats the peer's claim; None when there is neither."""
@@ -181,13 +182,21 @@ class Router:
         if state is not None:
             self._release(state, samples, now)
 
-    def failed(self, peer: str, samples: int, now: float) -> float:
-        """A call to `peer` failed or timed out: ban it with exponential back-off. Returns the ban length (s)."""
+    def failed(self, peer: str, samples: int, now: float, started: float | None = None) -> float:
+        """A call to `peer` failed or timed out: ban it with exponential back-off. Returns the ban length (s).
+
+        `started`: when the call was sent. A call sent before the peer's last counted failure was already in
+        flight when that failure was learned, so it says nothing new: a burst of calls that all time out
+        together (a stage busy with its optimizer step) is one failure, not a ban of `ban_max_s`."""
         _check_samples(samples)
         state = self._peers.get(peer)
         if state is None:
             return 0.0
+        if started is not None and started < state.failed_at:
+            self._release(state, samples, now)
+            return max(0.0, state.banned_until - now)
         state.failures += 1
+        state.failed_at = now
         ban = backoff(state.failures, self.ban_base_s, self.ban_max_s)
         state.banned_until = now + ban
         self._release(state, samples, now)

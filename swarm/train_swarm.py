@@ -56,6 +56,12 @@ REQUEST_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICA
 # is --call-timeout).
 MIN_CALL_TIMEOUT_S = 1.0
 
+# A stage with no live peer is looked at again every WAIT_S. When each live peer of a stage failed once
+# within one call, they are asked again at once, then after RETRY_PAUSE_S, 2 x RETRY_PAUSE_S ... up to
+# WAIT_S, so that a peer listed in the DHT but gone (its record lives out its TTL) is not hammered.
+WAIT_S = 0.5
+RETRY_PAUSE_S = 0.05
+
 
 class SwarmPipeline(Pipeline):
     def __init__(
@@ -176,7 +182,7 @@ class SwarmPipeline(Pipeline):
         """`prefer`: try this peer first; `avoid`: these peers only when no other one is usable; `timed`:
         the call's time tells the peer's training speed (False for a spot check's evaluation forward)."""
         tried: set[str] = set()
-        waited = False
+        waited, rounds = False, 0
         while True:
             with self.lock:
                 router, now = self.routers[stage], time.monotonic()
@@ -193,11 +199,14 @@ class SwarmPipeline(Pipeline):
                 address = self.addresses[stage].get(peer) if peer else None
                 timeout = router.deadline(peer, MIN_CALL_TIMEOUT_S, self.call_timeout) if peer else 0.0
             if peer is None or address is None:
-                if tried:  # every peer failed once: try them all again after the wait
+                if tried:  # every live peer failed once in this call: go round them again, at once at first
+                    time.sleep(min(RETRY_PAUSE_S * rounds, WAIT_S))
                     tried.clear()
+                    rounds += 1
+                    continue
                 self.note(f"waiting for a peer of stage {stage}")
                 waited = True
-                time.sleep(0.5)
+                time.sleep(WAIT_S)
                 continue
             if waited:
                 self.note("train")
@@ -212,7 +221,7 @@ class SwarmPipeline(Pipeline):
                 with self.lock:
                     if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                         router.answered(peer, timeout)  # slower than thought: give it longer next time
-                    ban = router.failed(peer, samples, time.monotonic())
+                    ban = router.failed(peer, samples, time.monotonic(), started=start)
                     self.failures += 1
                     if ban > 0:
                         self.bans += 1

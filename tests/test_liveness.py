@@ -8,9 +8,16 @@ import signal
 import time
 
 import pytest
+import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peer.service import start_server
+from peer.worker import StageWorker
+from swarm.config import load_config
 from swarm.records import answering, make_dht, reconnect, shutdown_dht, visible_maddrs
+from swarm.train_swarm import SwarmPipeline
+from tests.conftest import CONFIGS
+from tests.processes import free_port
 from tests.test_averaging import FAST_AVERAGING, config_with
 from tests.test_swarm import ACCUMULATION, Swarm, assert_no_gradient_applied_twice
 
@@ -44,6 +51,39 @@ def test_reconnect_pings_the_nodes_at_the_addresses_it_is_given(nodes):
     shutdown_dht(c)
     assert reconnect(a, maddrs, timeout=2.0) == 1
     assert reconnect(a, ["/not/an/address"]) == 0
+
+
+def test_when_every_live_peer_of_a_stage_failed_once_the_trainer_asks_again_without_waiting(nodes):
+    """Stage 1 lists two peers: one gone (its port is closed; its record would live out its TTL) and one
+    live that times out once (a real gRPC deadline). Both fail within one call; the call goes round
+    again and gets its answer from the live one, and the trainer never says it waits for a peer."""
+    run = load_config(CONFIGS / "tiny.toml")
+    worker = StageWorker(run, 1, torch.device("cpu"))
+    server, _, port = start_server(worker, "127.0.0.1", 0)
+    pipe = SwarmPipeline(run, [], nodes[0], call_timeout=10.0, refresh_s=3600.0)
+    notes: list[str] = []
+    pipe.note = notes.append
+    live, gone = f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"
+    with pipe.lock:
+        pipe.routers[1].update_peers({"gone": 1.0, "live": 1.0}, time.monotonic())
+        pipe.addresses[1] = {"gone": gone, "live": live}
+    asked: list[str] = []
+
+    def info(client):
+        asked.append(client.address)
+        first = asked.count(client.address) == 1
+        return client.info(timeout=1e-4 if first else 10.0)  # the live peer's first answer comes too late
+
+    try:
+        response, peer = pipe.call(1, 1, info)
+        assert peer == "live" and response.stage == 1
+        assert asked[:2] == [gone, live] and asked[-1] == live, asked  # both failed once, then went round
+        assert not [n for n in notes if "waiting" in n], notes
+        assert pipe.failures == len(asked) - 1
+    finally:
+        pipe.close()
+        server.stop(0)
+        worker.close()
 
 
 def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(tmp_path):

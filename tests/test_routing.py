@@ -209,6 +209,20 @@ def test_failing_again_after_a_ban_doubles_it_and_a_success_resets_the_backoff()
     assert router.failed("a", samples=1, now=4.0) == 1.0
 
 
+def test_calls_in_flight_together_that_fail_together_count_as_one_failure():
+    router = Router(ban_base_s=1.0, ban_max_s=60.0)
+    router.update_peers({"a": 1.0}, now=0.0)
+    for _ in range(8):  # eight calls sent at once, all held by the peer's optimizer step
+        router.pick(1, now=0.0)
+    bans = [router.failed("a", samples=1, now=1.0 + i * 0.01, started=0.0) for i in range(8)]
+    assert bans[0] == 1.0 and all(ban <= 1.0 for ban in bans)
+    assert router.stats(now=1.1)[0].failures == 1
+    assert router.stats(now=1.1)[0].outstanding == 0
+    # A call sent after that failure was learned, failing again, does escalate the back-off.
+    router.pick(1, now=2.0)
+    assert router.failed("a", samples=1, now=3.0, started=2.0) == 2.0
+
+
 def test_success_lifts_a_ban_at_once():
     router = Router()
     router.update_peers({"a": 1.0}, now=0.0)
