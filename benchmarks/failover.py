@@ -3,9 +3,9 @@
 A coordinator of the config (configs/tiny.toml: 2 stages), 2 peers per stage (`swarm peer
 --coordinator URL --stage K --threads 1 --log-steps PATH`) and one trainer (`swarm train
 --coordinator URL --steps N --inflight 4 --call-timeout T --log-json P`). Once every peer is
-online, the trainer runs `--warmup-s` seconds; then the whole process group of one peer of
-`--stage` (worker, DHT node, p2pd) gets SIGKILL, and the trainer finishes its fixed number of steps
-on the 3 peers left.
+online, the trainer runs `--warmup-s` seconds (and at least `--window` + 1 steps); then the whole
+process group of one peer of `--stage` (worker, DHT node, p2pd) gets SIGKILL, and the trainer
+finishes its fixed number of steps on the 3 peers left.
 
 Definitions (all times on the trainer's `elapsed_s` clock; the kill is placed on that clock by
 polling its `--log-json` file: trainer start = min over lines of (time seen here - elapsed_s)):
@@ -197,13 +197,14 @@ def run(args: argparse.Namespace) -> str:
             if time.monotonic() - started > args.timeout_s:
                 raise RuntimeError(f"the trainer ran past {args.timeout_s:.0f} s:\n{trainer.output()[-3000:]}")
 
-        # Warm-up: until the trainer has run warmup_s seconds by its own clock.
+        # Warm-up: until the trainer has run warmup_s seconds by its own clock, and at least one window
+        # of steps (a loaded machine may take longer than warmup_s for that: no "before" without it).
         last_print = 0.0
         while True:
             tail.poll()
             t0 = tail.start()
             now = time.monotonic()
-            if t0 is not None and now - t0 >= args.warmup_s:
+            if t0 is not None and now - t0 >= args.warmup_s and len(tail.records) > args.window:
                 break
             if trainer.popen.poll() is not None:
                 raise RuntimeError(f"the trainer exited during the warm-up:\n{trainer.output()[-3000:]}")
@@ -287,7 +288,8 @@ def run(args: argparse.Namespace) -> str:
     retry_at = ", ".join(f"+{t:.1f}" for t in retries[:8]) + (" ..." if len(retries) > 8 else "")
     pairs = zip(records[:-1], records[1:], strict=True)
     durations = [(b["elapsed_s"] - a["elapsed_s"], b["step"], b["elapsed_s"]) for a, b in pairs]
-    step_before = statistics.median([d for d, _, end in durations if end <= kill]) if durations else float("nan")
+    before_kill = [d for d, _, end in durations if end <= kill]
+    step_before = statistics.median(before_kill) if before_kill else float("nan")
     after_kill = [x for x in durations if x[2] > kill]
     longest = max(after_kill, default=(float("nan"), None, None))
     first_after = min((end for _, _, end in after_kill), default=float("nan")) - kill

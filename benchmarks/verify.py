@@ -47,7 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=0.5, help="the liar's noise, x the RMS of its outputs")
     p.add_argument("--matchmaking", type=float, default=0.5, help="averaging.matchmaking_time_s (loopback)")
     p.add_argument("--tail", type=int, default=10, help="steps averaged into the final loss")
-    p.add_argument("--repeat", type=int, default=3, help="pairs of honest runs (checks on, off) for the overhead")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="pairs of honest runs (checks on, off) for the overhead; 0: one honest run with checks on (the losses' "
+        "reference), overhead not measured",
+    )
     p.add_argument("--log-dir", default=None)
 
 
@@ -82,6 +88,8 @@ def run(args: argparse.Namespace) -> str:
     cfg = load_config(args.config)
     if cfg.stages.count != 2:
         raise SystemExit(f"{args.config}: the verify benchmark expects a 2-stage config, not {cfg.stages.count}")
+    if args.repeat < 0:
+        raise SystemExit(f"--repeat must be >= 0, got {args.repeat}")
     acc = cfg.training.accumulation
     tmp = log_dir(args.log_dir, "verify")
     config = tmp / "run.toml"
@@ -99,9 +107,10 @@ def run(args: argparse.Namespace) -> str:
         "corrupted, checks on": (args.fraction, args.scale),
         "corrupted, checks off": (0.0, args.scale),
     }
-    order = [label for _ in range(args.repeat) for label in list(runs)[:2]] + list(runs)[2:]
+    honest = [label for _ in range(args.repeat) for label in list(runs)[:2]] or list(runs)[:1]
+    order = honest + list(runs)[2:]
     results: dict[str, tuple[list[dict], str]] = {}
-    speeds: dict[str, list[float]] = {label: [] for label in runs}
+    speeds: dict[str, list[float]] = {label: [] for label in runs if label in order}
     honest_bans = 0  # over every honest run
     for i, label in enumerate(order):
         fraction, scale = runs[label]
@@ -119,8 +128,10 @@ def run(args: argparse.Namespace) -> str:
     base = loss["honest, checks on"]
     ratio = loss["corrupted, checks on"] / base
     ratio_off = loss["corrupted, checks off"] / base
-    overhead = 1 - tps["honest, checks on"] / tps["honest, checks off"]
-    spread = "; ".join(f"{label}: {', '.join(f'{v:,.0f}' for v in speeds[label])}" for label in list(runs)[:2])
+    off = tps.get("honest, checks off")
+    overhead = f"{1 - tps['honest, checks on'] / off:.1%}" if off else "not measured (--repeat 0)"
+    honest_speeds = {label: v for label, v in speeds.items() if label.startswith("honest")}
+    spread = "; ".join(f"{label}: {', '.join(f'{v:,.0f}' for v in values)}" for label, values in honest_speeds.items())
     records, out = results["corrupted, checks on"]
     bans = BAN.findall(out)
     banned_after = int(bans[0][2]) * acc + int(bans[0][3]) + 1 if bans else None
@@ -135,7 +146,9 @@ def run(args: argparse.Namespace) -> str:
         "microbatches until the ban": banned_after if banned_after is not None else "never banned",
         "bans in the honest runs": honest_bans,
         "spot checks made": ", ".join(f"{label}: {n}" for label, n in checks.items()),
-        f"overhead of checks at {args.fraction:g}": f"{overhead:.1%} of tokens/s (medians of {args.repeat} runs)",
+        f"overhead of checks at {args.fraction:g}": (
+            f"{overhead} of tokens/s (medians of {args.repeat} runs)" if off else overhead
+        ),
         "honest tokens/s, each run": spread,
         "logs": str(tmp),
     }
@@ -169,8 +182,8 @@ def run(args: argparse.Namespace) -> str:
             f"{ratio_off:.4f}",
             banned_after if banned_after is not None else "never",
             f"{tps['honest, checks on']:,.0f}",
-            f"{tps['honest, checks off']:,.0f}",
-            f"{overhead:.1%}",
+            f"{off:,.0f}" if off else "-",
+            overhead,
             f"goal corrupted within 3% of honest with checks on, liar banned: {goal}; {honest_bans} bans in the "
             f"honest runs; spot checks made (checks on): honest {checks['honest, checks on']}, corrupted "
             f"{checks['corrupted, checks on']} (every call is checked until each peer passed 2 checks); final loss "

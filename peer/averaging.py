@@ -235,6 +235,8 @@ class NormExchange:
     `{run}_gradnorm_{step}` (subkey k; the replicas of a stage store the same number) and waits for
     the other stages' shares, at most `timeout` seconds; then it falls back to its own norm."""
 
+    SKIPPED_SHARES = 8  # a stage that skips steps publishes a share of 0 for at most this many of them
+
     def __init__(self, dht: hivemind.DHT, run_id: str, stages: int, stage: int, timeout: float, note=print):
         self.dht, self.run_id, self.stages, self.stage = dht, run_id, stages, stage
         self.timeout, self.note = timeout, note
@@ -489,7 +491,8 @@ class SwarmUpdater:
         one's gradient norm (its share of the skipped steps is 0: it applies nothing)."""
         if step <= self.epoch:
             return
-        for skipped in range(self.epoch, step):
+        # Only the last few: the other stages wait for the shares of the steps they are taking now.
+        for skipped in range(max(self.epoch, step - NormExchange.SKIPPED_SHARES), step):
             self.norms.publish(skipped, 0.0)
         averager = self.opt.state_averager
         with averager.lock_averaged_tensors:

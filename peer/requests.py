@@ -18,6 +18,9 @@ from swarm.rpc import pb
 from swarm.wire import FLOAT_DTYPES, WireError, check, decode
 
 MAX_ID_LENGTH = 128
+# The highest global step a request may name. No run takes this many steps; a request naming more
+# would have the stage skip to it (peer/worker.py: _catch_up).
+MAX_STEP = 2**31 - 1
 
 
 class RequestError(Exception):
@@ -142,6 +145,11 @@ def check_microbatch_id(mb_id: str) -> None:
         raise invalid(f"microbatch_id: longer than {MAX_ID_LENGTH} characters")
 
 
+def check_step(step: int) -> None:
+    if step > MAX_STEP:
+        raise invalid(f"step: {step} is beyond the last step a run can have ({MAX_STEP})")
+
+
 @dataclass
 class ForwardWork:
     inputs: torch.Tensor
@@ -178,6 +186,7 @@ class BackwardWork:
 def parse_forward(req: pb.ForwardRequest, shape: StageShape) -> ForwardWork:
     check_target(shape.run, shape.stage, req.run_id, req.stage)
     check_microbatch_id(req.microbatch_id)
+    check_step(req.step)
     x = decode_stage_input(req.input, shape)
     targets = None
     if req.HasField("targets"):
@@ -202,6 +211,7 @@ def parse_backward(
     the input's header is still checked but its payload is not decoded: it will not be used."""
     check_target(shape.run, shape.stage, req.run_id, req.stage)
     check_microbatch_id(req.microbatch_id)
+    check_step(req.step)
     cached = claim_cached(req.microbatch_id) if claim_cached and req.microbatch_id else None
     x = None
     if cached is not None and not shape.is_first:  # token ids (stage 0) are cheap: always decoded

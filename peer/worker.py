@@ -205,7 +205,7 @@ class StageWorker:
         self.samples_served = 0  # samples whose gradients were accumulated
         self.samples_pending = 0  # ... since the last optimizer step
         self._next_resync = 0.0
-        self.skipped_steps: list[int] = []  # global steps whose gradients never reached this stage (_catch_up)
+        self.skipped_steps: list[range] = []  # global steps whose gradients never reached this stage (_catch_up)
         self.sec_per_sample = {"forward": None, "backward": None}
         self.device_name = device_name(device)
         self._thread = threading.Thread(target=self._loop, name=f"stage-{stage}-compute", daemon=True)
@@ -359,15 +359,16 @@ class StageWorker:
         """Take the stage's step count to `step` without applying anything: the gradients of the
         steps in between are gone. Gradients held for an older step are dropped with them."""
         with self.lock:
-            skipped = list(range(self.optimizer_steps, step))
+            skipped = range(self.optimizer_steps, step)
             if not skipped:
                 return
             self._drop_pending()
             self.updater.skip_to(step)
-            self.skipped_steps.extend(skipped)
+            self.skipped_steps.append(skipped)
             with self._cache_lock:
                 self.cache.clear()
-        print(f"stage {self.stage_index}: skipped step(s) {skipped}: {why}", flush=True)
+        steps = str(skipped[0]) if len(skipped) == 1 else f"{skipped[0]}-{skipped[-1]}"
+        print(f"stage {self.stage_index}: skipped step(s) {steps}: {why}", flush=True)
 
     @staticmethod
     def _drop_cancelled(batch: list[_Task]) -> list[_Task]:

@@ -8,13 +8,16 @@ import time
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.rebalance import best_min_total, stage_totals
-from peer.averaging import clip_contribution, drop_grads, grads_finite
+from peer.averaging import ReplicaCheck, SwarmUpdater, clip_contribution, drop_grads, grads_finite
 from swarm.client import StageClient
 from swarm.config import load_config
 from swarm.data import TokenStream
 from swarm.model import Stage, build_stages, lm_loss
+from swarm.records import TTL_S, make_dht, shutdown_dht, visible_maddrs
 from swarm.wire import decode, encode
 from tests.processes import wait_for_state
 from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
@@ -126,6 +129,40 @@ def averaging_swarm(tmp_path):
     swarm.run = run
     yield swarm
     swarm.close()
+
+
+def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_per_step(tmp_path):
+    """Two real replicas of stage 1 with equal weights; a third DHT member publishes a majority digest
+    that neither holds. Replica a believes it diverged and loads the stage's state from b, which brings
+    nothing new; for the rest of the step it must not download the state again and again (the worker
+    asks `behind` before every request)."""
+    _, run = config_with(tmp_path, FAST_AVERAGING)
+    first = make_dht()
+    others = [make_dht(visible_maddrs(first), record_key=RSAPrivateKey()) for _ in range(2)]
+    notes: list[str] = []
+    a = SwarmUpdater(run, 1, Stage(run, 1), first, note=notes.append)
+    b = None
+    try:
+        a.load_state()  # what a starting peer does: alone, it keeps the seeded init and publishes its digest
+        b = SwarmUpdater(run, 1, Stage(run, 1), others[0])
+        b.load_state()  # b joins and takes a's state
+        liar = others[1]
+        for fake in ("0", "1", "2"):  # subkeys that sort before any real peer id
+            liar.store(a.check.key, subkey=fake, value=[0, "f" * 32], expiration_time=get_dht_time() + TTL_S)
+        loads, deadline = 0, time.monotonic() + ReplicaCheck.WAIT_S + 3.0
+        while time.monotonic() < deadline:
+            if a.behind(0):
+                a.load_state()
+                loads += 1
+            time.sleep(0.05)
+        assert any("differ from the other replicas" in n for n in notes), notes
+        assert loads == 1, f"{loads} loads of the stage's state within one step"
+    finally:
+        for replica in (a, b):
+            if replica is not None:
+                replica.close()
+        for dht in (first, *others):
+            shutdown_dht(dht)
 
 
 def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averaging_swarm):

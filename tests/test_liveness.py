@@ -17,9 +17,9 @@ from swarm.config import load_config
 from swarm.records import answering, make_dht, reconnect, shutdown_dht, visible_maddrs
 from swarm.train_swarm import SwarmPipeline
 from tests.conftest import CONFIGS
-from tests.processes import free_port
+from tests.processes import free_port, survivors, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
-from tests.test_swarm import ACCUMULATION, Swarm, assert_no_gradient_applied_twice
+from tests.test_swarm import ACCUMULATION, Swarm, assert_no_gradient_applied_twice, peer_record
 
 
 @pytest.fixture
@@ -40,7 +40,8 @@ def test_live_nodes_answer_a_ping_and_a_stopped_one_does_not(nodes):
     shutdown_dht(c)
     started = time.monotonic()
     assert answering(a, ids, timeout=2.0) == {b.peer_id.to_bytes()}
-    assert time.monotonic() - started < 2.0 + 1.5  # bounded by the timeout, whatever the dead node does
+    # Bounded by the timeout, whatever the dead node does; the margin is for a loaded machine.
+    assert time.monotonic() - started < 2.0 + 8.0
     assert answering(a, []) == set()
 
 
@@ -90,7 +91,8 @@ def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(tmp_path):
     """Averaging and rebalancing on. After b1 is killed: a1 steps alone at once (hivemind's tracker
     lists b1 until its record expires, and an all-reduce looking for it would wait averaging_timeout_s,
     set to 120 s here so that such a wait cannot pass unseen); nobody moves back and forth, at most
-    one peer moves; no step is lost, none applied twice."""
+    one peer moves; no step is lost, none applied twice; b1 leaves no process behind and its record
+    vanishes from the DHT by itself."""
     extra = FAST_AVERAGING + "averaging_timeout_s = 120.0\n\n[rebalance]\nperiod_s = 4.0\n"
     path, run = config_with(tmp_path, extra)
     swarm = Swarm(tmp_path, path)
@@ -102,8 +104,12 @@ def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(tmp_path):
         steps = 30
         swarm.train(steps=steps, inflight=4, timeout=60)
         swarm.wait_steps(6)
-        swarm.peers["b1"].stop(signal.SIGKILL)  # the whole group: worker, DHT node, p2pd
+        victim = swarm.peers["b1"]
+        victim.stop(signal.SIGKILL)  # the whole group: worker, DHT node, p2pd
         killed_after = len(swarm.records())
+        assert not survivors(victim.popen.pid)
+        # Its record expires by itself (TTL_S, 12 s); a loaded machine refreshes views late, so wait long.
+        wait_for_state(swarm.url, lambda s: peer_record(s, "b1") is None, timeout=90)
         records = swarm.finish_training(timeout=600)
 
         assert [r["step"] for r in records] == list(range(steps))
@@ -115,5 +121,6 @@ def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(tmp_path):
         assert max(gaps) < run.averaging.averaging_timeout_s / 2, gaps
         moves = {n: re.findall(r"moving from stage (\d) to stage (\d)", swarm.peers[n].output()) for n in names}
         assert sum(map(len, moves.values())) <= 1, moves
+        assert "Traceback" not in swarm.trainer.output()
     finally:
         swarm.close()

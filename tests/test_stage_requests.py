@@ -298,6 +298,11 @@ CASES = [
          "loss_scale: nan"),
     Case("microbatch_id too long", "s0 Forward", lambda: fwd(X(), microbatch_id="x" * 129),
          "microbatch_id: longer than 128"),
+    # A step no run reaches: the stage would skip to it (a fuzzed 2**64 - 1 once broke its compute thread).
+    Case("step too large, forward", "s0 Forward", lambda: fwd(X(), train=True, step=2**64 - 1),
+         "step: 18446744073709551615 is beyond"),
+    Case("step too large, backward", "s1 Backward", lambda: bwd(H(), H(), 1, step=2**31),
+         "step: 2147483648 is beyond"),
     # backward without a gradient
     Case("missing output_grad stage 0", "s0 Backward", lambda: bwd(X(), None), "output_grad: missing"),
     Case("missing output_grad stage 1", "s1 Backward", lambda: bwd(H(), None, 1), "output_grad: missing"),

@@ -161,25 +161,6 @@ def check_traffic_split(swarm: Swarm) -> None:
     assert abs(share - speed) <= 0.15 * speed, f"fast peer's share {share:.2f}, its share of speed {speed:.2f}"
 
 
-def test_killed_peer_loses_no_microbatch_and_vanishes_from_the_dht(swarm):
-    for name, stage in [("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1)]:
-        swarm.add_peer(name, stage)
-    swarm.wait_online(["a0", "b0", "a1", "b1"])
-    steps = 30
-    swarm.train(steps=steps, inflight=4, timeout=10)
-    swarm.wait_steps(5)
-    victim = swarm.peers["b1"]
-    victim.stop(signal.SIGKILL)  # the whole process group: worker, DHT node, p2pd
-    assert not survivors(victim.popen.pid)
-    # Its record expires by itself (TTL_S, 12 s); a loaded machine refreshes views late, so wait long.
-    wait_for_state(swarm.url, lambda s: peer_record(s, "b1") is None, timeout=90)
-    records = swarm.finish_training()
-    assert [r["step"] for r in records] == list(range(steps))
-    assert records[-1]["microbatches"] == steps * ACCUMULATION  # every microbatch issued completed once
-    assert_no_gradient_applied_twice(swarm)
-    assert "Traceback" not in swarm.trainer.output()
-
-
 def test_peer_joining_mid_run_gets_traffic(swarm):
     swarm.add_peer("first0", 0)
     swarm.add_peer("first1", 1)
