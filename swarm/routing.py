@@ -9,8 +9,9 @@ stage is banned, the one whose ban ends first is asked rather than none (a stage
 say in a slow all-reduce, must not stall the trainer for the whole back-off).
 
 Each call's deadline follows the peer's measured latency (`deadline`): a few times the slowest of its recent calls,
-so a peer that froze is given up on in seconds, while one that is merely busy (a stage's optimizer step holds its
-calls for a while every global step) is not.
+never less than the caller's floor (the trainer's is the longest a stage may hold a call during its optimizer step:
+swarm/train_swarm.py, `step_hold_s`), so a peer that froze is given up on in seconds, while one that is merely
+busy is not.
 
 Nothing here touches the network, threads or the clock: every method that needs the time takes `now` (seconds),
 so the policy is deterministic and can be tested with a virtual clock.

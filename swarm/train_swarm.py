@@ -53,8 +53,18 @@ T = TypeVar("T")
 REQUEST_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED}
 
 # The shortest deadline a call gets, however fast its peer answered lately (Router.deadline; the longest
-# is --call-timeout).
+# is --call-timeout), on top of the longest a stage may hold a call while it takes its optimizer step
+# (`step_hold_s`).
 MIN_CALL_TIMEOUT_S = 1.0
+
+
+def step_hold_s(run: RunConfig) -> float:
+    """How long a healthy stage may hold a call while it steps: it looks for its replicas (matchmaking),
+    then waits for the other stages' gradient norms. A deadline shorter than that cuts off calls of a
+    live peer mid-step; each is then computed twice, and the microbatches of one step end up split
+    between replicas that no longer meet to average them."""
+    return run.averaging.matchmaking_time_s + run.averaging.sync_timeout_s
+
 
 # A stage with no live peer is looked at again every WAIT_S. When each live peer of a stage failed once
 # within one call, they are asked again at once, then after RETRY_PAUSE_S, 2 x RETRY_PAUSE_S ... up to
@@ -82,6 +92,7 @@ class SwarmPipeline(Pipeline):
         v = run.verify
         self.spot = SpotChecks(self.num_stages, v.fraction, v.strikes, v.first_checks, run.training.seed, v.ban_s)
         self.call_timeout = call_timeout
+        self.min_deadline = min(call_timeout, step_hold_s(run) + MIN_CALL_TIMEOUT_S)
         self.trace = uuid.uuid4().hex[:12]
         self.dht = dht
         self.coordinators = maddr_peer_ids(initial_peers)  # whose word on pauses and removals counts
@@ -197,7 +208,7 @@ class SwarmPipeline(Pipeline):
                 if peer is None:  # every live peer not tried yet is banned: ask the first to come back
                     peer = router.pick(samples, now, exclude=tried, banned_ok=True)
                 address = self.addresses[stage].get(peer) if peer else None
-                timeout = router.deadline(peer, MIN_CALL_TIMEOUT_S, self.call_timeout) if peer else 0.0
+                timeout = router.deadline(peer, self.min_deadline, self.call_timeout) if peer else 0.0
             if peer is None or address is None:
                 if tried:  # every live peer failed once in this call: go round them again, at once at first
                     time.sleep(min(RETRY_PAUSE_S * rounds, WAIT_S))

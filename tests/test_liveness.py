@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -15,7 +16,8 @@ from peer.service import start_server
 from peer.worker import StageWorker
 from swarm.config import load_config
 from swarm.records import answering, make_dht, reconnect, shutdown_dht, visible_maddrs
-from swarm.train_swarm import SwarmPipeline
+from swarm.train_swarm import SwarmPipeline, step_hold_s
+from swarm.wire import encode
 from tests.conftest import CONFIGS
 from tests.processes import free_port, survivors, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
@@ -54,20 +56,35 @@ def test_reconnect_pings_the_nodes_at_the_addresses_it_is_given(nodes):
     assert reconnect(a, ["/not/an/address"]) == 0
 
 
-def test_when_every_live_peer_of_a_stage_failed_once_the_trainer_asks_again_without_waiting(nodes):
-    """Stage 1 lists two peers: one gone (its port is closed; its record would live out its TTL) and one
-    live that times out once (a real gRPC deadline). Both fail within one call; the call goes round
-    again and gets its answer from the live one, and the trainer never says it waits for a peer."""
+@pytest.fixture
+def stage1(nodes):
+    """A real stage-1 worker serving on loopback, and a trainer's SwarmPipeline on a real DHT node whose
+    routing the test sets itself (no refresh from the DHT). Yields (pipe, worker, address)."""
     run = load_config(CONFIGS / "tiny.toml")
     worker = StageWorker(run, 1, torch.device("cpu"))
     server, _, port = start_server(worker, "127.0.0.1", 0)
-    pipe = SwarmPipeline(run, [], nodes[0], call_timeout=10.0, refresh_s=3600.0)
+    pipe = SwarmPipeline(run, [], nodes[0], call_timeout=30.0, refresh_s=3600.0)
+    yield pipe, worker, f"127.0.0.1:{port}"
+    pipe.close()
+    server.stop(0)
+    worker.close()
+
+
+def route(pipe: SwarmPipeline, stage: int, addresses: dict[str, str]) -> None:
+    with pipe.lock:
+        pipe.routers[stage].update_peers({peer: 1.0 for peer in addresses}, time.monotonic())
+        pipe.addresses[stage] = dict(addresses)
+
+
+def test_when_every_live_peer_of_a_stage_failed_once_the_trainer_asks_again_without_waiting(stage1):
+    """Stage 1 lists two peers: one gone (its port is closed; its record would live out its TTL) and one
+    live that times out once (a real gRPC deadline). Both fail within one call; the call goes round
+    again and gets its answer from the live one, and the trainer never says it waits for a peer."""
+    pipe, _, live = stage1
     notes: list[str] = []
     pipe.note = notes.append
-    live, gone = f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"
-    with pipe.lock:
-        pipe.routers[1].update_peers({"gone": 1.0, "live": 1.0}, time.monotonic())
-        pipe.addresses[1] = {"gone": gone, "live": live}
+    gone = f"127.0.0.1:{free_port()}"
+    route(pipe, 1, {"gone": gone, "live": live})
     asked: list[str] = []
 
     def info(client):
@@ -75,16 +92,38 @@ def test_when_every_live_peer_of_a_stage_failed_once_the_trainer_asks_again_with
         first = asked.count(client.address) == 1
         return client.info(timeout=1e-4 if first else 10.0)  # the live peer's first answer comes too late
 
-    try:
-        response, peer = pipe.call(1, 1, info)
-        assert peer == "live" and response.stage == 1
-        assert asked[:2] == [gone, live] and asked[-1] == live, asked  # both failed once, then went round
-        assert not [n for n in notes if "waiting" in n], notes
-        assert pipe.failures == len(asked) - 1
-    finally:
-        pipe.close()
-        server.stop(0)
-        worker.close()
+    response, peer = pipe.call(1, 1, info)
+    assert peer == "live" and response.stage == 1
+    assert asked[:2] == [gone, live] and asked[-1] == live, asked  # both failed once, then went round
+    assert not [n for n in notes if "waiting" in n], notes
+    assert pipe.failures == len(asked) - 1
+
+
+def test_a_call_held_while_its_stage_steps_is_not_cut_off(stage1):
+    """The router has seen the peer answer in milliseconds; then the stage holds the next call for a
+    few seconds, as it does while it looks for its replicas and waits for the other stages' gradient
+    norms. The call must wait for it: cut off and sent again, it would be computed twice."""
+    pipe, worker, live = stage1
+    run = pipe.run
+    route(pipe, 1, {"live": live})
+    x = encode(torch.randn(2, run.model.seq_len, run.model.d_model))
+    targets = encode(torch.randint(0, run.model.vocab_size, (2, run.model.seq_len)))
+
+    def forward(client):
+        return client.forward(1, x, "probe", 0, targets=targets, train=False)
+
+    for _ in range(5):
+        pipe.call(1, 2, forward, timed=False)
+    assert pipe.routers[1].deadline("live", floor=0.0, cap=30.0) < 1.0  # fast answers so far
+    held = 3.0
+    assert held < step_hold_s(run)
+    worker.lock.acquire()  # the compute thread stops, as during an optimizer step
+    threading.Timer(held, worker.lock.release).start()
+    started = time.monotonic()
+    response, peer = pipe.call(1, 2, forward, timed=False)
+    assert peer == "live" and response.loss > 0
+    assert time.monotonic() - started >= held * 0.9  # it was held, and waited for
+    assert pipe.failures == 0
 
 
 def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(tmp_path):
