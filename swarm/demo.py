@@ -236,6 +236,9 @@ def run_demo(opts: DemoOptions) -> int:
         raise KeyboardInterrupt  # the same way out as Ctrl-C
 
     previous = signal.signal(signal.SIGTERM, on_term)
+    # Ctrl-C must stop the demo even when it was started where SIGINT is ignored (a script's background
+    # job inherits that, and Python then installs no handler of its own).
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         demo.start()
         records = demo.train(steps)
@@ -258,8 +261,10 @@ def run_demo(opts: DemoOptions) -> int:
         code = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing interrupts the clean-up
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         running = demo.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     freed = port_free(opts.port)
     print(
         f"swarm demo: all {len(demo.pids)} child processes have ended ({running} stopped), with all they started; "

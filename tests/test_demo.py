@@ -19,8 +19,13 @@ from swarm.demo import port_free
 from tests.processes import ROOT, free_port, survivors
 
 
-def demo(tmp: Path, *args: str) -> subprocess.Popen:
+def demo(tmp: Path, *args: str, sigint_ignored: bool = False) -> subprocess.Popen:
+    """`sigint_ignored`: started as a script's background job is, with SIGINT ignored on entry."""
     out = open(tmp / "demo.out", "w")  # noqa: SIM115 (the test reads it back; closed with the process)
+
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     return subprocess.Popen(
         [sys.executable, "-m", "swarm.cli", "demo", *args],
         stdout=out,
@@ -28,6 +33,7 @@ def demo(tmp: Path, *args: str) -> subprocess.Popen:
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,
+        preexec_fn=ignore_sigint if sigint_ignored else None,
     )
 
 
@@ -66,7 +72,9 @@ def test_demo_trains_exports_samples_and_stops_every_child(tmp_path: Path):
 
 def test_ctrl_c_stops_every_child_and_frees_the_port(tmp_path: Path):
     port, workdir = free_port(), tmp_path / "demo"
-    proc = demo(tmp_path, "--steps", "500", "--port", str(port), "--workdir", str(workdir), "--replicas", "1")
+    # Started with SIGINT ignored, as a script's `swarm demo &` is: Ctrl-C (a SIGINT) must still stop it.
+    args = ("--steps", "500", "--port", str(port), "--workdir", str(workdir), "--replicas", "1")
+    proc = demo(tmp_path, *args, sigint_ignored=True)
     try:
         deadline = time.monotonic() + 240
         log = workdir / "train.jsonl"
