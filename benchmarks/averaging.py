@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import (
+    ROOT,
+    Proc,
+    final_loss,
+    last_val,
+    log_dir,
+    read_jsonl,
+    start_coordinator,
+    start_peer,
+    stop_all,
+    wait_online,
+)
 from benchmarks.plot import line_chart
-from benchmarks.procs import ROOT, Proc, log_dir, start_coordinator, start_peer, stop_all, wait_online
 from benchmarks.results import append_row, replace_section, target
 from swarm.config import load_config
 
@@ -47,10 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tail", type=int, default=10, help="steps averaged into the final loss")
     p.add_argument("--every", type=int, default=10, help="steps between rows of the loss-curve table")
     p.add_argument("--log-dir", default=None)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def variant(config: Path, codec: str, matchmaking: float) -> str:
@@ -96,16 +102,6 @@ def run_swarm(config: Path, stages: int, replicas: int, steps: int, tmp: Path) -
         stop_all(procs)
 
 
-def final(records: list[dict], tail: int) -> float:
-    last = records[-tail:]
-    return sum(r["loss"] for r in last) / len(last)
-
-
-def last_val(records: list[dict]) -> float | None:
-    vals = [r["val_loss"] for r in records if "val_loss" in r]
-    return vals[-1] if vals else None
-
-
 def run(args: argparse.Namespace) -> str:
     cfg = load_config(args.config)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
@@ -131,7 +127,7 @@ def run(args: argparse.Namespace) -> str:
         print(f"swarm: {cfg.stages.count} stages x {args.replicas} replicas, codec {codec}", flush=True)
         records, wall = run_swarm(config, cfg.stages.count, args.replicas, args.steps, run_dir)
         curves[f"swarm {cfg.stages.count}x{args.replicas}, {codec}"] = records
-        ref, ours = final(local, args.tail), final(records, args.tail)
+        ref, ours = final_loss(local, args.tail), final_loss(records, args.tail)
         ratio = ours / ref
         goal = GOALS.get(codec, 0.03)
         met = "met" if abs(ratio - 1) <= goal else "not met"

@@ -38,16 +38,16 @@ import collections
 import os
 import random
 import signal
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.failover import read_step_logs
-from benchmarks.procs import JsonTail, Proc, log_dir, stop_all
+from benchmarks.common import JsonTail, Proc, final_loss, last_val, log_dir, read_step_logs, stop_all
 from benchmarks.results import append_row
+from swarm.children import coordinator
 from swarm.config import RunConfig, dump_config, load_config
-from swarm.records import free_port
+from swarm.net import free_port
+from swarm.ready import CoordinatorReady, wait_ready
 
 SECTION = "chaos: peers SIGKILLed and replaced, the coordinator killed and restarted, a peer frozen (SIGSTOP)"
 
@@ -147,12 +147,11 @@ class Outcome:
 
     @property
     def final_val(self) -> float | None:
-        vals = [r["val_loss"] for r in self.records if r.get("val_loss") is not None]
-        return vals[-1] if vals else None
+        return last_val(self.records)
 
     @property
     def final_train(self) -> float:
-        return statistics.fmean(r["loss"] for r in self.records[-10:])
+        return final_loss(self.records, 10)
 
     @property
     def retried(self) -> int:
@@ -182,22 +181,23 @@ class ChaosSwarm:
 
     def start_coordinator(self, wait: bool = True) -> None:
         n = sum(1 for p in self.procs if p.args[0] == "coordinator")
-        args = ["coordinator", "--config", str(self.config), "--port", str(self.port)]
-        args += ["--dht-port", str(self.dht_port), "--state-dir", str(self.tmp / "coordinator.state")]
-        self.coordinator = Proc(args, self.tmp / f"coordinator-{n}.log")
+        # The same ports and state folder at every start: a restarted coordinator is found where it was.
+        fixed = ["--dht-port", str(self.dht_port), "--state-dir", str(self.tmp / "coordinator.state")]
+        self.coordinator = coordinator(self.config, self.tmp / f"coordinator-{n}.log", *fixed, port=self.port)
         self.procs.append(self.coordinator)
         if wait:
-            self.coordinator.wait_for(r"coordinator of run '\S+' at http://\S+", timeout=60)
+            wait_ready(self.coordinator, CoordinatorReady, timeout=60)
 
     def start_peer(self, name: str, stage: int) -> None:
         args = ["peer", "--coordinator", self.url, "--stage", str(stage), "--public-name", name, "--threads", "1"]
         args += ["--checkpoint-dir", "none", "--no-rebalance", "--log-steps", str(self.tmp / f"{name}.steps")]
-        proc = Proc(args, self.tmp / f"{name}.log")
+        proc = Proc(args, self.tmp / f"{name}.log", ready=True)
         self.procs.append(proc)
         self.peers[name] = (stage, proc)
 
     def online(self, name: str) -> bool:
-        return f"peer {name}: online" in self.peers[name][1].output()
+        """Whether the peer has served its stage (it wrote its ready file)."""
+        return self.peers[name][1].ready_file.exists()
 
     def wait_online(self, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout

@@ -31,7 +31,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from benchmarks.procs import log_dir, start_coordinator, stop_all
+from benchmarks.common import log_dir, start_coordinator, stop_all
 from benchmarks.results import append_row
 from swarm.records import PeerRecord, TrainerRecord, shutdown_dht, signer_peer_id, stage_key, trainers_key
 

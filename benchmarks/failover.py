@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import json
 import os
 import re
 import signal
@@ -44,11 +42,12 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.procs import (
+from benchmarks.common import (
     JsonTail,
     Proc,
     listed_names,
     log_dir,
+    read_step_logs,
     start_coordinator,
     start_peer,
     stop_all,
@@ -110,17 +109,6 @@ def recovery(wins: list, kill: float, target: float, hold: int) -> tuple[float |
         if all(x[3] >= target for x in after[c : c + hold]):
             return after[c][0] - kill, after[c][2]
     return None, None
-
-
-def read_step_logs(paths: dict[str, Path]) -> list[dict]:
-    steps = []
-    for name, path in paths.items():
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by the SIGKILL
-                steps.append(dict(json.loads(line), peer=name))
-    return steps
 
 
 def mb_step(mb_id: str) -> int:

@@ -506,8 +506,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> str:
-    from benchmarks.procs import Proc, log_dir, start_coordinator, stop_all
+    from benchmarks.common import Proc, log_dir, start_coordinator, stop_all
     from benchmarks.results import append_row
+    from swarm.ready import PeerReady, wait_ready
 
     tmp = log_dir(args.log_dir, "fuzz")
     fuzz_cfg = fuzz_run(load_config(args.config))
@@ -515,13 +516,15 @@ def run(args: argparse.Namespace) -> str:
     last = fuzz_cfg.stages.count - 1
     procs = {
         name: Proc(
-            ["peer", "--config", str(path), "--stage", str(k), "--port", "0", "--threads", "1"], tmp / f"{name}.log"
+            ["peer", "--config", str(path), "--stage", str(k), "--port", "0", "--threads", "1"],
+            tmp / f"{name}.log",
+            ready=True,
         )
         for name, k in (("first", 0), ("last", last))
     }
     coordinator = None
     try:
-        addresses = {name: p.wait_for(r"serving on (\S+:\d+)", 120).group(1) for name, p in procs.items()}
+        addresses = {name: wait_ready(p, PeerReady, 120).address for name, p in procs.items()}
         workers = {name: (addresses[name], lambda p=p: p.popen.poll() is None) for name, p in procs.items()}
         fuzz = StageFuzz(fuzz_cfg, workers)
         start = time.perf_counter()

@@ -9,19 +9,16 @@ wire per token are counted by the trainer's clients (both directions, all stages
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import Proc, stop_all
 from benchmarks.results import append_row
 from swarm.config import RunConfig, load_config
+from swarm.ready import PeerReady, wait_ready
 from swarm.train_local import train_local
 from swarm.train_pipeline import train_pipeline
 
@@ -43,57 +40,23 @@ def steady_tokens_per_s(records: list[dict], warmup: int) -> float:
     return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
 
 
-def start_workers(config_path: Path, stages: int, threads: int, device: str | None, log_dir: Path) -> tuple[list, list]:
-    procs, addresses = [], []
+def start_workers(
+    config_path: Path, stages: int, threads: int, device: str | None, log_dir: Path
+) -> tuple[list[Proc], list[str]]:
+    """A `swarm peer --config` per stage, and their addresses once all of them serve."""
+    procs = []
     for k in range(stages):
-        cmd = [
-            sys.executable,
-            "-m",
-            "swarm.cli",
-            "peer",
-            "--config",
-            str(config_path),
-            "--stage",
-            str(k),
-            "--port",
-            "0",
-        ]
+        args = ["peer", "--config", str(config_path), "--stage", str(k), "--port", "0"]
         if threads:
-            cmd += ["--threads", str(threads)]
+            args += ["--threads", str(threads)]
         if device:
-            cmd += ["--device", device]
-        log = open(log_dir / f"stage{k}.log", "w+")  # noqa: SIM115 (the child owns it)
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        )
-        deadline = time.monotonic() + 120
-        while True:
-            m = re.search(r"serving on (\S+:\d+)", (log_dir / f"stage{k}.log").read_text())
-            if m:
-                addresses.append(m.group(1))
-                break
-            if procs[-1].poll() is not None or time.monotonic() > deadline:
-                stop_workers(procs)
-                raise RuntimeError(f"stage {k} worker did not start:\n{(log_dir / f'stage{k}.log').read_text()}")
-            time.sleep(0.1)
-    return procs, addresses
-
-
-def stop_workers(procs: list) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            args += ["--device", device]
+        procs.append(Proc(args, log_dir / f"stage{k}.log", ready=True))
+    try:
+        return procs, [wait_ready(p, PeerReady, timeout=120).address for p in procs]
+    except BaseException:
+        stop_all(procs)
+        raise
 
 
 def with_codec(run: RunConfig, codec: str, path: Path, source: Path) -> RunConfig:
@@ -121,7 +84,7 @@ def run(args: argparse.Namespace) -> str:
             try:
                 records = train_pipeline(cfg, addresses, args.steps, inflight=args.inflight)
             finally:
-                stop_workers(procs)
+                stop_all(procs)
             tps = steady_tokens_per_s(records, args.warmup)
             per_token = records[-1]["wire_bytes"] / records[-1]["tokens"]
             rows.append((codec, tps, per_token))

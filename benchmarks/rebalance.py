@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.procs import Proc, log_dir, start_coordinator, start_peer, stop_all, wait_online
+from benchmarks.common import Proc, log_dir, start_coordinator, start_peer, stop_all, wait_online
 from benchmarks.results import append_row
 
 SECTION = "rebalance: peers started on the wrong stages, until the swarm is balanced"

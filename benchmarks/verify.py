@@ -31,8 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.averaging import final
-from benchmarks.procs import Proc, log_dir, start_coordinator, start_peer, stop_all, wait_online
+from benchmarks.common import Proc, final_loss, log_dir, start_coordinator, start_peer, stop_all, wait_online
 from benchmarks.results import append_row
 from swarm.config import load_config
 
@@ -123,7 +122,7 @@ def run(args: argparse.Namespace) -> str:
         if label.startswith("honest"):
             honest_bans += len(BAN.findall(out))
 
-    loss = {label: final(records, args.tail) for label, (records, _) in results.items()}
+    loss = {label: final_loss(records, args.tail) for label, (records, _) in results.items()}
     tps = {label: statistics.median(v) for label, v in speeds.items()}
     base = loss["honest, checks on"]
     ratio = loss["corrupted, checks on"] / base

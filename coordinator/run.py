@@ -31,6 +31,7 @@ from coordinator.history import History, HistoryRecorder
 from coordinator.known_peers import KnownPeers
 from coordinator.view import SwarmReader, ViewHolder, empty_view
 from swarm.config import ConfigError, RunConfig
+from swarm.ready import CoordinatorReady, write_ready
 from swarm.records import make_dht, shutdown_dht, visible_maddrs
 
 log = logging.getLogger("coordinator")
@@ -95,10 +96,12 @@ def serve_coordinator(
     token: str | None = None,
     announce_host: str | None = None,
     join_token: str | None = None,
+    ready_file: Path | None = None,
 ) -> int:
     """`announce_host`: the address peers on other machines reach this one at, handed out in
     /api/v1/join instead of the listening interfaces' addresses. `join_token`: what peers and
-    trainers must send to join (None: anyone may)."""
+    trainers must send to join (None: anyone may). `ready_file`: where to say, once HTTP serves,
+    at which URL and DHT addresses (swarm/ready.py)."""
     # Signals first arrive here; until the server is up, a signal just ends the start-up early.
     stop = threading.Event()
 
@@ -146,10 +149,10 @@ def serve_coordinator(
             return code
 
         bound = _bound_port(server, port)
-        print(
-            f"coordinator of run {run.run_id!r} at http://{host}:{bound} (DHT {maddrs[0] if maddrs else '?'})",
-            flush=True,
-        )
+        url = f"http://{host}:{bound}"
+        print(f"coordinator of run {run.run_id!r} at {url} (DHT {maddrs[0] if maddrs else '?'})", flush=True)
+        if ready_file is not None:
+            write_ready(ready_file, CoordinatorReady(run_id=run.run_id, url=url, http_port=bound, dht_maddrs=maddrs))
         next_status = time.monotonic() + STATUS_EVERY_S
         while not stop.wait(min(1.0, max(0.0, next_status - time.monotonic()))):
             if not server_thread.is_alive():

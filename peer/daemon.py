@@ -43,6 +43,7 @@ from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.join import join_dht
 from swarm.placement import pick_stage
+from swarm.ready import PeerReady, write_ready
 from swarm.rebalance import Steadiness, should_move
 from swarm.records import (
     REFRESH_S,
@@ -94,11 +95,14 @@ class PeerDaemon:
         join_token: str | None = None,
         corrupt_outputs: float = 0.0,
         coordinators: set[str] | None = None,
+        ready_file: Path | None = None,
     ):
         """`checkpoint_dir` None: no checkpoints are saved or loaded. `announce_host`: the address
         trainers dial this peer at, when it is not the listening one (NAT, containers). `join_token`:
         the run's join token, which the stage worker then asks of every call. `coordinators`: the
-        DHT peer ids whose removal records count (the coordinator joined through; None: anyone's)."""
+        DHT peer ids whose removal records count (the coordinator joined through; None: anyone's).
+        `ready_file`: rewritten whenever this peer starts serving a stage (swarm/ready.py)."""
+        self.ready_file = ready_file
         self.announce_host, self.join_token, self.coordinators = announce_host, join_token, coordinators
         self.run, self.dht, self.device, self.host, self.port = run, dht, device, host, port
         self.delay_per_sample, self.step_log = delay_per_sample, step_log
@@ -167,6 +171,12 @@ class PeerDaemon:
             f"{self.measured:.1f} samples/s measured, weights from {source})",
             flush=True,
         )
+        if self.ready_file is not None:
+            r = self.record
+            ready = PeerReady(
+                run_id=self.run.run_id, stage=stage, address=r.address, peer_id=r.peer_id, public_name=r.public_name
+            )
+            write_ready(self.ready_file, ready)
 
     def take_state(self, stage: int) -> str:
         """Load the stage's newest state into the worker: this peer's checkpoint when it is newer than
@@ -280,6 +290,7 @@ def run_peer(
     join_token: str | None = None,
     join_wait: float = 0.0,
     corrupt_outputs: float = 0.0,
+    ready_file: Path | None = None,
 ) -> int:
     """`announce_host`: the address others reach this peer at (gRPC and DHT), when it is not the one
     it listens on; `dht_port`: the DHT's port (0: any free one); `join_token`: the run's join token;
@@ -321,6 +332,7 @@ def run_peer(
         join_token=join_token,
         corrupt_outputs=corrupt_outputs,
         coordinators=maddr_peer_ids(initial_peers),
+        ready_file=ready_file,
     )
     try:
         if stage is None:

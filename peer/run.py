@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -12,6 +13,7 @@ from peer.service import start_server
 from peer.worker import StageWorker
 from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
+from swarm.ready import PeerReady, write_ready
 
 
 def serve_stage(
@@ -23,8 +25,10 @@ def serve_stage(
     threads: int | None = None,
     status_every: float = 30.0,
     join_token: str | None = None,
+    ready_file: Path | None = None,
 ) -> int:
-    """`join_token`: every call must carry it (peer/auth.py); None: anyone may call."""
+    """`join_token`: every call must carry it (peer/auth.py); None: anyone may call. `ready_file`:
+    where to say, once the server serves, at which address (swarm/ready.py)."""
     if not 0 <= stage < run.stages.count:
         raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
     if threads:
@@ -41,6 +45,9 @@ def serve_stage(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    # Only now: whoever waits for the file may stop the stage at once, and cleanly.
+    if ready_file is not None:
+        write_ready(ready_file, PeerReady(run_id=run.run_id, stage=stage, address=f"{host}:{bound}"))
     while not stop.wait(status_every):
         print(
             f"stage {stage}: {worker.samples_served} samples served, {worker.optimizer_steps} steps, "

@@ -1,6 +1,7 @@
-"""Child processes of a swarm on one machine (`swarm demo`, the benchmarks): each `swarm` command in
-its own process group, so that ending the group also ends what it started (a DHT node's child
-process and its p2pd), with its output in a log file.
+"""Child processes of a swarm on one machine (`swarm demo`, the benchmarks, the tests): each `swarm`
+command in its own process group, so that ending the group also ends what it started (a DHT node's
+child process and its p2pd), with its output in a log file. A child started with a ready file says
+when it serves through that file (swarm/ready.py), never through its printed output.
 """
 
 from __future__ import annotations
@@ -8,52 +9,95 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from swarm.ready import CoordinatorReady, wait_ready
+
+START_TIMEOUT_S = 60.0
+
 
 class Proc:
-    """`python -m swarm.cli ARGS` in its own process group, output to `log`."""
+    """`python -m swarm.cli ARGS` in its own process group, output to `log`. With `ready`, the
+    command gets `--ready-file` (next to the log, `proc.ready_file`) for `swarm.ready.wait_ready`.
+    `env`: variables added to this process's environment."""
 
-    def __init__(self, args: list[str], log: Path, cwd: Path | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        ready: bool = False,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.args = args
         self.log_path = log
-        self._log = open(log, "w")  # noqa: SIM115 (closed in stop())
+        self.ready_file = log.with_suffix(".ready") if ready else None
+        if self.ready_file is not None:
+            self.ready_file.unlink(missing_ok=True)  # an earlier run's, in a reused folder
+            args = [*args, "--ready-file", str(self.ready_file)]
+        self._log = open(log, "w")  # noqa: SIM115 (closed in close())
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "swarm.cli", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=cwd,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
         )
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        """The first match of `pattern` in the output; RuntimeError when the process exits or
-        `timeout` passes first (with the end of its output)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = re.search(pattern, self.output())
-            if m:
-                return m
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"exited with {self.popen.returncode}:\n{self.output()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no line matching {pattern!r} within {timeout:.0f} s:\n{self.output()[-3000:]}")
-            time.sleep(0.1)
+    def alive(self) -> bool:
+        return self.popen.poll() is None
 
-    def stop(self) -> None:
-        """Close the log of a process that has exited (see stop_all)."""
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the whole process group (nothing when it is gone)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def reap(self, timeout: float) -> None:
+        """Wait up to `timeout` for the process to exit; SIGKILL its group when it does not."""
+        try:
+            self.popen.wait(max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            self.signal_group(signal.SIGKILL)
+            self.popen.wait()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Signal the whole process group, SIGKILL it when the process has not exited within
+        `timeout`, close the log; the exit code. Whatever else of the group outlives the process
+        is left for the caller to see (`survivors`)."""
+        if self.alive():
+            self.signal_group(sig)
+            self.reap(timeout)
+        self.close()
+        return self.popen.returncode
+
+    def close(self) -> None:
+        """Close the log of a process that has exited."""
         self.popen.poll()
         self._log.close()
+
+
+def group_members(pgid: int) -> list[str]:
+    """Processes (live or zombie) whose process group is `pgid`, as 'PID STATE'."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            found.append(f"{entry} {fields[0]}")
+    return found
 
 
 def survivors(pgid: int, timeout: float = 5.0) -> list[str]:
@@ -61,16 +105,7 @@ def survivors(pgid: int, timeout: float = 5.0) -> list[str]:
     after waiting up to `timeout` for them to go."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                alive.append(f"{entry} {fields[0]}")
+        alive = [m for m in group_members(pgid) if not m.endswith(" Z")]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)
@@ -78,20 +113,39 @@ def survivors(pgid: int, timeout: float = 5.0) -> list[str]:
 
 def stop_all(procs: list[Proc], timeout: float = 15.0) -> None:
     """SIGTERM every group at once, SIGKILL what is still there after `timeout`, close the logs."""
-    live = [p for p in procs if p.popen.poll() is None]
+    live = [p for p in procs if p.alive()]
     for p in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.popen.pid, signal.SIGTERM)
+        p.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + timeout
     for p in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.popen.wait(max(0.1, deadline - time.monotonic()))
+        p.reap(deadline - time.monotonic())
     for p in procs:
         # Children of the group (p2pd) may outlive their parent: nothing of a group is left behind.
         if survivors(p.popen.pid, timeout=2 if p in live else 0):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.popen.pid, signal.SIGKILL)
-        p.stop()
+            p.signal_group(signal.SIGKILL)
+        p.close()
+
+
+def coordinator(config: Path, log: Path, *extra: str, port: int = 0, **proc_options) -> Proc:
+    """`swarm coordinator` of `config` on `port` (0: any free port, which its ready file names) and
+    any free DHT port, its state (history, DHT identity) next to its log, with a ready file. Options
+    in `extra` win over these (argparse keeps the last); `proc_options` go to Proc."""
+    state = ["--state-dir", str(log.with_suffix(".state"))]
+    args = ["coordinator", "--config", str(config), "--port", str(port), "--dht-port", "0", *state, *extra]
+    return Proc(args, log, ready=True, **proc_options)
+
+
+def start_coordinator(
+    config: Path, log: Path, *extra: str, port: int = 0, timeout: float = START_TIMEOUT_S, **proc_options
+) -> tuple[Proc, str]:
+    """A `coordinator` once it serves, and its base URL; stopped again when it does not start."""
+    proc = coordinator(config, log, *extra, port=port, **proc_options)
+    try:
+        ready = wait_ready(proc, CoordinatorReady, timeout)
+    except BaseException:
+        stop_all([proc])
+        raise
+    return proc, ready.url
 
 
 class JsonTail:

@@ -160,6 +160,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             join_token=args.join_token,
             join_wait=args.join_wait,
             corrupt_outputs=args.corrupt_outputs,
+            ready_file=args.ready_file,
         )
         exit_now(code)
     if not args.config or args.stage is None:
@@ -168,7 +169,14 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     run = load_config(args.config)
     return serve_stage(
-        run, args.stage, args.host, args.port, device=args.device, threads=args.threads, join_token=args.join_token
+        run,
+        args.stage,
+        args.host,
+        args.port,
+        device=args.device,
+        threads=args.threads,
+        join_token=args.join_token,
+        ready_file=args.ready_file,
     )
 
 
@@ -189,6 +197,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         token=token,
         announce_host=args.announce_host,
         join_token=args.join_token,
+        ready_file=args.ready_file,
     )
 
 
@@ -283,6 +292,25 @@ def add_join_token(parser: argparse.ArgumentParser, what: str) -> None:
         metavar="TOKEN",
         default=os.environ.get("SWARM_JOIN_TOKEN") or None,
         help=f"{what} (default: $SWARM_JOIN_TOKEN, which, unlike the flag, other users of the machine cannot see)",
+    )
+
+
+def ready_file_path(text: str) -> Path:
+    """A file to create, in a folder that exists (checked now: the file is written only once ready)."""
+    path = Path(text).expanduser()
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: a folder, not a file")
+    return path
+
+
+def add_ready_file(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--ready-file",
+        type=ready_file_path,
+        metavar="PATH",
+        help=f"write a JSON file here {what} (for scripts that start it; written whole, by a rename)",
     )
 
 
@@ -398,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_join_token(peer, "the run's join token, if it has one (with --config: what callers must send)")
     add_join_wait(peer)
+    add_ready_file(peer, "once it serves its stage (again after a move): run id, stage, address, peer id")
     peer.set_defaults(func=cmd_peer)
 
     coord = sub.add_parser(
@@ -427,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="operator token for the control endpoints (default: $SWARM_TOKEN; without one, control is disabled)",
     )
     add_join_token(coord, "peers and trainers must give this token to join (without one, anyone may join)")
+    add_ready_file(coord, "once it serves: its run id, URL and DHT addresses")
     coord.set_defaults(func=cmd_coordinator)
 
     export = sub.add_parser(

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from swarm.children import JsonTail, Proc, stop_all
 from swarm.config import ConfigError, RunConfig, dump_config, format_validation_error, load_config
+from swarm.ready import CoordinatorReady, NotReady, wait_ready
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.toml")
 MARKER = ".swarm-demo"  # a work folder holding this file was made by the demo and may be emptied by it
@@ -114,9 +115,9 @@ class Demo:
         self.state: dict = {}
         self.started = time.monotonic()
 
-    def child(self, name: str, args: list[str]) -> Proc:
+    def child(self, name: str, args: list[str], ready: bool = False) -> Proc:
         """A child `swarm` process; `children.json` lists each one's process id (its process group)."""
-        proc = Proc(args, self.workdir / "logs" / f"{name}.log")
+        proc = Proc(args, self.workdir / "logs" / f"{name}.log", ready=ready)
         self.pids[name] = proc.popen.pid
         (self.workdir / "children.json").write_text(json.dumps(self.pids, indent=1) + "\n")
         return proc
@@ -145,10 +146,11 @@ class Demo:
         self.coordinator = self.child(
             "coordinator",
             ["coordinator", "--config", str(config), "--port", str(self.opts.port), "--state-dir", state_dir],
+            ready=True,
         )
         try:
-            self.coordinator.wait_for(r"coordinator of run '\S+' at http://\S+", START_TIMEOUT_S)
-        except RuntimeError as err:
+            wait_ready(self.coordinator, CoordinatorReady, START_TIMEOUT_S)
+        except NotReady as err:
             raise DemoFailed(f"the coordinator did not start: {err}") from None
         replicas = self.opts.replicas
         for stage in range(self.run.stages.count):

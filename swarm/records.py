@@ -38,7 +38,6 @@ import ipaddress
 import logging
 import os
 import re
-import socket
 import tempfile
 import time
 import weakref
@@ -58,6 +57,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarm import __version__
+from swarm.net import free_port
 
 log = logging.getLogger("swarm.records")
 
@@ -257,12 +257,6 @@ def host_maddr(host: str, port: int) -> str:
     except ValueError:
         return f"/dns/{host}/tcp/{port}"
     return f"/ip{ip.version}/{host}/tcp/{port}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -4,7 +4,6 @@ SWARM_COORDINATOR, SWARM_DEVICE and SWARM_PUBLIC_NAME, each only where its flag 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from swarm.cli import build_parser
+from swarm.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_NAMES = ("SWARM_COORDINATOR", "SWARM_DEVICE", "SWARM_PUBLIC_NAME")
@@ -33,10 +33,7 @@ def swarm(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 def unused_url() -> str:
     """A coordinator URL nobody listens on (a port the kernel just handed out and took back)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from swarm.records import make_dht, read_control
-from tests.processes import free_port, start_coordinator, survivors, wait_for_state
+from tests.processes import free_port, start_coordinator, survivors, wait_for_output, wait_for_state
 from tests.test_swarm import TINY, Swarm, online_names, peer_record
 
 TOKEN = "operator-secret"
@@ -81,7 +81,7 @@ def test_pause_holds_the_trainer_between_steps_and_resume_lets_it_go(swarm):
     swarm.wait_steps(3)
 
     assert post(swarm.url, "/api/v1/control/pause", OPERATOR).json() == {"paused": True}
-    swarm.trainer.wait_for_line(r"paused by the operator", timeout=20)
+    wait_for_output(swarm.trainer, r"paused by the operator", timeout=20)
     held = len(swarm.records())
     time.sleep(5)
     assert len(swarm.records()) == held, "the trainer went on while paused"

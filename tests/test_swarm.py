@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.processes import ROOT, Proc, start_coordinator, survivors, wait_for_state
+from tests.processes import ROOT, Proc, child, start_coordinator, survivors, wait_for_output, wait_for_state
 
 TINY = ROOT / "configs" / "tiny.toml"
 ACCUMULATION = 2  # tiny.toml: global_batch 16 / micro_batch 8
@@ -32,7 +32,7 @@ class Swarm:
         """A peer; pinned to its stage unless the test is about rebalancing (moves would blur the rest)."""
         if not rebalance:
             extra = ("--no-rebalance", *extra)
-        proc = Proc(
+        proc = child(
             [
                 "peer",
                 "--coordinator",
@@ -56,7 +56,7 @@ class Swarm:
         return wait_for_state(self.url, lambda s: set(names) <= online_names(s), timeout)
 
     def train(self, steps: int, inflight: int = 4, timeout: float = 20, *extra: str) -> Proc:
-        self.trainer = Proc(
+        self.trainer = child(
             [
                 "train",
                 "--coordinator",
@@ -202,7 +202,7 @@ def test_trainer_waits_for_a_missing_stage_and_says_so(swarm):
     swarm.add_peer("only0", 0)
     swarm.wait_online(["only0"])
     swarm.train(steps=5)
-    swarm.trainer.wait_for_line(r"waiting for a peer of stage 1", timeout=60)
+    wait_for_output(swarm.trainer, r"waiting for a peer of stage 1", timeout=60)
     assert swarm.trainer.popen.poll() is None  # waiting, not crashed
     swarm.add_peer("late1", 1)
     records = swarm.finish_training()

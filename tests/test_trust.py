@@ -41,7 +41,7 @@ from swarm.records import (
     visible_maddrs,
 )
 from swarm.rpc import pb
-from tests.processes import Proc, wait_for_state
+from tests.processes import child, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
 from tests.test_swarm import Swarm, peer_record
 
@@ -63,7 +63,7 @@ def guarded(tmp_path_factory):
         swarm.add_peer("p0", 0, "--join-token", JOIN_TOKEN)
         swarm.add_peer("p1", 1, "--join-token", JOIN_TOKEN)
         swarm.wait_online(["p0", "p1"])
-        swarm.trainer = Proc(
+        swarm.trainer = child(
             [
                 "train",
                 "--coordinator",
@@ -100,7 +100,7 @@ def test_join_needs_the_token(guarded):
 
 def test_a_peer_without_the_token_is_refused(guarded, tmp_path):
     strangers = [
-        Proc(["peer", "--coordinator", guarded.url, "--stage", "0", *extra], tmp_path / f"stranger-{i}.log")
+        child(["peer", "--coordinator", guarded.url, "--stage", "0", *extra], tmp_path / f"stranger-{i}.log")
         for i, extra in enumerate([(), ("--join-token", "not-the-token")])
     ]
     try:

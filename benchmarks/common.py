@@ -1,36 +1,24 @@
-"""Swarm processes for the benchmarks, each in its own process group (swarm.children)."""
+"""What several benchmarks share: swarm processes, each in its own process group (swarm.children),
+where the logs go, and reading what the trainer and the peers logged."""
 
 from __future__ import annotations
 
-import re
-import socket
+import contextlib
+import json
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from swarm.children import JsonTail, Proc, stop_all, survivors
+from swarm.children import JsonTail, Proc, start_coordinator, stop_all, survivors
 
-__all__ = ["JsonTail", "Proc", "stop_all", "survivors"]  # with the helpers below
+__all__ = ["JsonTail", "Proc", "start_coordinator", "stop_all", "survivors"]  # with the helpers below
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_coordinator(config: Path, log: Path, timeout: float = 60) -> tuple[Proc, str]:
-    """A coordinator on a free port, its state (history, DHT identity) next to its log."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    state = ["--state-dir", str(log.with_suffix(".state"))]
-    proc = Proc(["coordinator", "--config", str(config), "--port", str(port), "--dht-port", "0", *state], log)
-    deadline = time.monotonic() + timeout
-    while not re.search(r"coordinator of run '\S+' at http://\S+", proc.output()):
-        if proc.popen.poll() is not None or time.monotonic() > deadline:
-            stop_all([proc])
-            raise RuntimeError(f"the coordinator did not start:\n{proc.output()[-3000:]}")
-        time.sleep(0.1)
-    return proc, f"http://127.0.0.1:{port}"
+# -- processes ------------------------------------------------------------------------------------
 
 
 def online_names(base: str) -> set[str]:
@@ -68,3 +56,34 @@ def log_dir(path: str | None, name: str) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     print(f"{name}: logs in {tmp}", flush=True)
     return tmp
+
+
+# -- logs -----------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_step_logs(paths: dict[str, Path]) -> list[dict]:
+    """Every optimizer step in the peers' `--log-steps` files (name -> path), each with `peer`: name."""
+    steps = []
+    for name, path in paths.items():
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by the SIGKILL
+                steps.append(dict(json.loads(line), peer=name))
+    return steps
+
+
+def final_loss(records: list[dict], tail: int) -> float:
+    """The mean training loss of the trainer's last `tail` steps."""
+    last = records[-tail:]
+    return sum(r["loss"] for r in last) / len(last)
+
+
+def last_val(records: list[dict]) -> float | None:
+    """The trainer's last validation loss, if it had one."""
+    vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    return vals[-1] if vals else None
