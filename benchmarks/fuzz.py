@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from swarm.client import StageClient, grpc_options
 from swarm.config import RunConfig, dump_config, load_config
 from swarm.model import Stage
-from swarm.rpc import pb
+from swarm.rpc import method_path, pb
 from swarm.wire import CODECS, DTYPES, WireError, check, decode, encode
 
 SECTION = "fuzz: random and mutated requests to a stage worker's gRPC service and to the coordinator's REST API"
@@ -328,7 +328,7 @@ class StageFuzz:
 
     def _rpc(self, worker: str, method: str):
         return self.channels[worker].unary_unary(
-            f"/swarm.Stage/{method}", request_serializer=None, response_deserializer=None
+            method_path(method), request_serializer=None, response_deserializer=None
         )
 
     def failure(self, call: Call) -> str | None:

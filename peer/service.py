@@ -21,11 +21,10 @@ from peer.requests import RequestError, StageShape, check_target, invalid, parse
 from peer.worker import StageWorker
 from swarm import __version__
 from swarm.client import grpc_options
-from swarm.rpc import pb
+from swarm.rpc import METHODS, SERVICE, pb
 from swarm.wire import encode
 
 log = logging.getLogger("swarm.peer")
-SERVICE = "swarm.Stage"
 
 # A caller whose deadline is nearer than this is taken as gone: the answer would reach it too late,
 # it retries elsewhere, and a gradient kept here would count its microbatch twice.
@@ -80,15 +79,9 @@ class StageService:
         )
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Forward": self._handler(pb.ForwardRequest, self.forward),
-                "Backward": self._handler(pb.BackwardRequest, self.backward),
-                "Info": self._handler(pb.InfoRequest, self.info),
-                "Parameters": self._handler(pb.ParametersRequest, self.parameters),
-            },
-        )
+        # Each method of the service is served by the method of the same name in lower case.
+        handlers = {name: self._handler(request, getattr(self, name.lower())) for name, (request, _) in METHODS.items()}
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def _wait(self, future: futures.Future, context: grpc.ServicerContext):
         remaining = context.time_remaining()

@@ -10,9 +10,8 @@ import grpc
 from google.protobuf.message import Message
 
 from swarm.config import RunConfig
-from swarm.rpc import pb
+from swarm.rpc import METHODS, method_path, pb
 
-SERVICE = "/swarm.Stage/"
 AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
 
 
@@ -58,14 +57,9 @@ class StageClient:
         self._lock = threading.Lock()
         self._methods = {
             name: self.channel.unary_unary(
-                SERVICE + name, request_serializer=self._serialize, response_deserializer=self._parser(response)
+                method_path(name), request_serializer=self._serialize, response_deserializer=self._parser(response)
             )
-            for name, response in [
-                ("Forward", pb.ForwardResponse),
-                ("Backward", pb.BackwardResponse),
-                ("Info", pb.InfoResponse),
-                ("Parameters", pb.ParametersResponse),
-            ]
+            for name, (_, response) in METHODS.items()
         }
 
     def _serialize(self, message: Message) -> bytes:

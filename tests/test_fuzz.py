@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.fuzz import Call, StageFuzz, examples, fuzz_run, right_answer_gap, run_stage_fuzz, write_config
 from swarm.config import load_config
+from swarm.rpc import SERVICE
 from tests.conftest import CONFIGS
 from tests.processes import start_peer
 
@@ -74,7 +75,7 @@ def test_the_judge_calls_an_unhandled_exception_a_server_fault():
 
     server = grpc.server(futures.ThreadPoolExecutor(2))
     handler = grpc.unary_unary_rpc_method_handler(handle)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarm.Stage", {"Info": handler}),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Info": handler}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     fuzz = StageFuzz(RUN, {"first": (f"127.0.0.1:{port}", lambda: True)})

@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 
 from swarm.client import StageClient
 from swarm.config import load_config
-from swarm.rpc import pb
+from swarm.rpc import method_path, pb
 from swarm.wire import decode, encode
 from tests.conftest import CONFIGS
 from tests.processes import start_peer
@@ -139,7 +139,7 @@ def bwd(inputs: pb.Tensor | None, grad: pb.Tensor | None, stage: int = 0, **kw):
 
 def send(client: StageClient, method: str, request: Message | bytes, timeout: float = 30):
     if isinstance(request, bytes):  # raw bytes, not necessarily a valid protobuf
-        raw = client.channel.unary_unary(f"/swarm.Stage/{method}", request_serializer=None, response_deserializer=None)
+        raw = client.channel.unary_unary(method_path(method), request_serializer=None, response_deserializer=None)
         return raw(request, timeout=timeout)
     return client.call(method, request, timeout)
 

@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.cli import build_parser
-from swarm.client import SERVICE, StageClient
+from swarm.client import StageClient
 from swarm.records import (
     OWNER_MARKER,
     ControlState,
@@ -40,7 +40,7 @@ from swarm.records import (
     stage_key,
     visible_maddrs,
 )
-from swarm.rpc import pb
+from swarm.rpc import method_path, pb
 from tests.processes import child, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
 from tests.test_swarm import Swarm, peer_record
@@ -124,7 +124,7 @@ def test_stage_workers_refuse_calls_without_the_token(guarded):
             "Backward": pb.BackwardRequest(run_id=guarded.run.run_id, stage=0, microbatch_id="x"),
         }
         for method, request in requests.items():
-            call = channel.unary_unary(SERVICE + method, request_serializer=lambda m: m.SerializeToString())
+            call = channel.unary_unary(method_path(method), request_serializer=lambda m: m.SerializeToString())
             for metadata in (None, (("authorization", "Bearer not-the-token"),)):
                 with pytest.raises(grpc.RpcError) as refused:
                     call(request, timeout=10, metadata=metadata)
