@@ -604,6 +604,3 @@ class SwarmUpdater:
             if averager is not None and averager.is_alive():
                 averager.kill()
                 averager.join(1)
-
-
-Updater = LocalUpdater | SwarmUpdater

@@ -21,6 +21,7 @@ p2pd, exit 0.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -30,12 +31,12 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 from hivemind.utils import get_dht_time
 
 from peer.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, writable_dir
+from peer.options import PeerOptions
 from peer.service import start_server
 from peer.throughput import cached_throughput
 from peer.worker import StageWorker
@@ -64,6 +65,9 @@ log = logging.getLogger("swarm.peer")
 # Leaving (the drain, the stage's optimizer, the DHT node) is bounded piece by piece; should any
 # of it hang anyway, the process dumps every thread's stack to stderr and exits (code 1) after this.
 EXIT_DEADLINE_S = 20.0
+# Peers that start together wait a random time up to this before they pick a stage, so that each
+# sees the ones before it and they spread out.
+SPREAD_WAIT_S = 2.0
 
 
 def announce_address(host: str, port: int, announce_host: str | None = None) -> str:
@@ -79,41 +83,18 @@ def announce_address(host: str, port: int, announce_host: str | None = None) -> 
 class PeerDaemon:
     """One peer's life in the swarm: serve a stage, refresh its record, maybe move, leave."""
 
-    def __init__(
-        self,
-        run: RunConfig,
-        dht,
-        device: torch.device,
-        host: str,
-        port: int,
-        public_name: str,
-        delay_per_sample: float = 0.0,
-        step_log: Path | None = None,
-        checkpoint_dir: Path | None = None,
-        checkpoint_every: int = 50,
-        announce_host: str | None = None,
-        join_token: str | None = None,
-        corrupt_outputs: float = 0.0,
-        coordinators: set[str] | None = None,
-        ready_file: Path | None = None,
-    ):
-        """`checkpoint_dir` None: no checkpoints are saved or loaded. `announce_host`: the address
-        trainers dial this peer at, when it is not the listening one (NAT, containers). `join_token`:
-        the run's join token, which the stage worker then asks of every call. `coordinators`: the
-        DHT peer ids whose removal records count (the coordinator joined through; None: anyone's).
-        `ready_file`: rewritten whenever this peer starts serving a stage (swarm/ready.py)."""
-        self.ready_file = ready_file
-        self.announce_host, self.join_token, self.coordinators = announce_host, join_token, coordinators
-        self.run, self.dht, self.device, self.host, self.port = run, dht, device, host, port
-        self.delay_per_sample, self.step_log = delay_per_sample, step_log
-        self.corrupt_outputs = corrupt_outputs  # tests: a dishonest peer (StageWorker)
-        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+    def __init__(self, run: RunConfig, dht, device: torch.device, options: PeerOptions, coordinators: set[str] | None):
+        """`options.port`: the stage service's port, kept across moves (0: the first free one);
+        `coordinators`: the DHT peer ids whose removal records count (the coordinator joined through;
+        None: anyone's)."""
+        self.run, self.dht, self.device, self.options, self.coordinators = run, dht, device, options, coordinators
+        self.port = options.port
         peer_id = dht.peer_id.to_base58()
         self.record = PeerRecord(
             peer_id=peer_id,
             stage=0,
             address="",
-            public_name=public_name or peer_id[-8:],
+            public_name=options.public_name or peer_id[-8:],
             device=str(device),
             state="joining",
             started=time.time(),
@@ -137,27 +118,17 @@ class PeerDaemon:
         """Join `stage`: announce joining, measure, take the stage's current weights, serve, go online."""
         self.announce(stage=stage, state="joining", address="", moving_to=None)
         print(f"peer {self.name}: joining stage {stage} of run {self.run.run_id!r}", flush=True)
-        self.measured = cached_throughput(self.run, stage, self.device)
-        if self.delay_per_sample:  # a stand-in for a slower device is slower from the start
-            self.measured = 1 / (1 / self.measured + 2 * self.delay_per_sample)
-        checkpoints = None
-        if self.checkpoint_dir is not None:
-            checkpoints = CheckpointWriter(self.checkpoint_dir, self.run, stage, self.checkpoint_every)
-        self.worker = StageWorker(
-            self.run,
-            stage,
-            self.device,
-            delay_per_sample=self.delay_per_sample,
-            step_log=self.step_log,
-            corrupt_outputs=self.corrupt_outputs,
-            dht=self.dht,
-            checkpoints=checkpoints,
-        )
+        # A stand-in for a slower device is slower from the start.
+        self.measured = self.options.faults.slowed(cached_throughput(self.run, stage, self.device))
+        opts, checkpoints = self.options, None
+        if opts.checkpoint_dir is not None:
+            checkpoints = CheckpointWriter(opts.checkpoint_dir, self.run, stage, opts.checkpoint_every)
+        self.worker = StageWorker(self.run, stage, self.device, self.dht, checkpoints, opts.faults)
         source = self.take_state(stage)
         # The port stays the same across moves, so the address the trainers know stays right.
-        self.server, _, self.port = start_server(self.worker, self.host, self.port, join_token=self.join_token)
+        self.server, _, self.port = start_server(self.worker, opts.host, self.port, join_token=opts.join_token)
         self.announce(
-            address=announce_address(self.host, self.port, self.announce_host),
+            address=announce_address(opts.host, self.port, opts.announce_host),
             device=self.worker.device_name,
             throughput=self.measured,
             capacity=self.measured,
@@ -171,17 +142,18 @@ class PeerDaemon:
             f"{self.measured:.1f} samples/s measured, weights from {source})",
             flush=True,
         )
-        if self.ready_file is not None:
+        if self.options.ready_file is not None:
             r = self.record
             ready = PeerReady(
                 run_id=self.run.run_id, stage=stage, address=r.address, peer_id=r.peer_id, public_name=r.public_name
             )
-            write_ready(self.ready_file, ready)
+            write_ready(self.options.ready_file, ready)
 
     def take_state(self, stage: int) -> str:
         """Load the stage's newest state into the worker: this peer's checkpoint when it is newer than
         what the live peers hold, else theirs (else the seeded init); returns where it came from."""
-        checkpoint = latest_checkpoint(self.checkpoint_dir, self.run, stage) if self.checkpoint_dir else None
+        folder = self.options.checkpoint_dir
+        checkpoint = latest_checkpoint(folder, self.run, stage) if folder else None
         live = [] if checkpoint is None else self.live_steps(stage)
         source = None
         if checkpoint is None or (live and checkpoint.step <= max(live)):
@@ -271,72 +243,43 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def run_peer(
-    coordinator: str,
-    stage: int | None,
-    host: str,
-    port: int,
-    device: str | None = None,
-    public_name: str = "",
-    threads: int | None = None,
-    join_wait_s: float = 2.0,
-    delay_per_sample: float = 0.0,
-    step_log: Path | None = None,
-    rebalance: bool = True,
-    checkpoint_dir: Path | None = None,
-    checkpoint_every: int = 50,
-    announce_host: str | None = None,
-    dht_port: int = 0,
-    join_token: str | None = None,
-    join_wait: float = 0.0,
-    corrupt_outputs: float = 0.0,
-    ready_file: Path | None = None,
-) -> int:
-    """`announce_host`: the address others reach this peer at (gRPC and DHT), when it is not the one
-    it listens on; `dht_port`: the DHT's port (0: any free one); `join_token`: the run's join token;
-    `join_wait`: seconds to keep trying a coordinator that does not answer.
-    `checkpoint_dir`: where to save and resume the stage's checkpoints (None: nowhere), checked
-    before anything starts."""
-    if checkpoint_dir is not None:
+def run_peer(options: PeerOptions) -> int:
+    """Join the run of `options.coordinator` and serve until a signal or the operator's removal.
+    `options.checkpoint_dir` is checked before anything starts."""
+    if options.checkpoint_dir is not None:
         try:
-            checkpoint_dir = writable_dir(checkpoint_dir)
+            options = dataclasses.replace(options, checkpoint_dir=writable_dir(options.checkpoint_dir))
         except OSError as err:
-            raise ConfigError(f"--checkpoint-dir: cannot write to {checkpoint_dir}: {err.strerror or err}") from None
+            raise ConfigError(
+                f"--checkpoint-dir: cannot write to {options.checkpoint_dir}: {err.strerror or err}"
+            ) from None
+    stage = options.stage
 
     def check_stage(run: RunConfig) -> None:
         if stage is not None and not 0 <= stage < run.stages.count:
             raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
 
-    if threads:
-        torch.set_num_threads(threads)
-    dev = resolve_device(device)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    dev = resolve_device(options.device)
+    host = options.host
     dht_host = host if host not in ("", "::") else "0.0.0.0"
     run, initial_peers, dht = join_dht(
-        coordinator, join_token, join_wait, check_stage, host=dht_host, port=dht_port, announce_host=announce_host
+        options.coordinator,
+        options.join_token,
+        options.join_wait,
+        check_stage,
+        host=dht_host,
+        port=options.dht_port,
+        announce_host=options.announce_host,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    peer = PeerDaemon(
-        run,
-        dht,
-        dev,
-        host,
-        port,
-        public_name,
-        delay_per_sample,
-        step_log,
-        checkpoint_dir,
-        checkpoint_every,
-        announce_host=announce_host,
-        join_token=join_token,
-        corrupt_outputs=corrupt_outputs,
-        coordinators=maddr_peer_ids(initial_peers),
-        ready_file=ready_file,
-    )
+    peer = PeerDaemon(run, dht, dev, options, coordinators=maddr_peer_ids(initial_peers))
     try:
         if stage is None:
-            time.sleep(random.uniform(0, join_wait_s))  # peers that start together spread out
+            time.sleep(random.uniform(0, SPREAD_WAIT_S))  # peers that start together spread out
             view = read_swarm(dht, run.run_id, run.stages.count)
             stage = pick_stage(view.stage_throughputs(), [len(view.stages[k]) for k in range(run.stages.count)])
         peer.serve(stage)
@@ -353,7 +296,7 @@ def run_peer(
                 break  # and leave as on SIGTERM
             peer.refresh()
             # A check that falls due while the swarm is unsteady waits for it to settle.
-            view = peer.watch() if rebalance else None
+            view = peer.watch() if options.rebalance else None
             if view is not None and time.monotonic() >= check_at:
                 peer.rebalance(view)
                 check_at = next_check()

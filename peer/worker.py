@@ -1,46 +1,38 @@
 """The compute side of a stage worker: one `Stage` on one device, fed by a queue.
 
-Requests are decoded and checked in the gRPC threads, then queued here. One compute thread takes
-work in priority order (backward before forward, so gradients drain and memory is freed first),
-batches concurrent requests of the same kind up to a token budget, runs them, and hands results
-back. Encoding and decoding stay in the gRPC threads, so they overlap with compute.
+Requests are decoded and checked in the gRPC threads, then queued (peer/queue.py). One compute
+thread takes work in priority order (backward before forward, so gradients drain and memory is
+freed first), batches concurrent requests of the same kind up to a token budget, runs them, and
+hands results back. Encoding and decoding stay in the gRPC threads, so they overlap with compute.
 
 Backward is stateless: it recomputes the forward from the input it is given. A short-lived cache
 keeps the autograd graph of training forwards served alone, so that when the same peer also gets
 the matching backward the recompute is skipped.
 
-Optimizer (peer/averaging.py): each worker accumulates the gradients of the samples it served. A
-lone worker steps every global batch of samples; the peers of a swarm stage average their
-gradients with hivemind and step together. Requests carry the global step they belong to: a
-training request for step s needs the weights after s steps, so a worker that has not yet taken
-step s - 1 finishes it first (waiting for the stage's count, at most `averaging.sync_timeout_s`).
-
-Checkpoints (peer/checkpoint.py): right after an optimizer step, on the compute thread and under the
-lock that guards the weights, the worker offers its state to a `CheckpointWriter`, which copies it
-when a checkpoint is due and writes it on its own thread.
+Optimizer steps (peer/stepper.py): each worker accumulates the gradients of the samples it served;
+its `Stepper` takes the stage's steps, alone or averaged with the other peers of the stage, and
+keeps the weights at the step each request names before the request runs.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import itertools
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
-from pathlib import Path
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import grpc
 import torch
 import torch.nn.functional as F
 
-from peer.averaging import LocalUpdater, SwarmUpdater
-from peer.checkpoint import Checkpoint, CheckpointWriter, Snapshot
+from peer.checkpoint import Checkpoint, CheckpointWriter
+from peer.options import NO_FAULTS, Faults
+from peer.queue import Task, WorkQueue, gave_up, resolve, still_waiting
 from peer.requests import BackwardWork, CachedForward, ForwardWork, RequestError
+from peer.stepper import StagedGrads, Stepper, make_updater
 from swarm.config import RunConfig
 from swarm.device import autocast, device_name
 from swarm.model import Stage
@@ -55,158 +47,85 @@ class ForwardResult:
     input_grad: torch.Tensor | None = None
 
 
-@dataclass(order=True)
-class _Task:
-    priority: int
-    seq: int
-    work: ForwardWork | BackwardWork = field(compare=False)
-    future: Future = field(compare=False)
-    active: Callable[[], bool] | None = field(default=None, compare=False)  # False once the caller gave up
-    enqueued: float = field(default_factory=time.perf_counter, compare=False)
+class ForwardCache:
+    """The recorded graphs of training forwards served alone, newest last, at most `size` of them."""
 
-    def waiting(self) -> bool:
-        """Whether the caller still waits for the answer."""
-        return self.active is None or self.active()
+    def __init__(self, size: int):
+        self.size = size
+        self.entries: collections.OrderedDict[str, CachedForward] = collections.OrderedDict()
+        self.lock = threading.Lock()
 
-    def uncached(self) -> _Task:
-        """This task to be run again from its input alone: a recorded forward's graph is spent once its
-        backward ran, and an input that took part in a backward holds that gradient."""
-        work = self.work
-        if isinstance(work, BackwardWork) and work.cached is not None:
-            work = dataclasses.replace(work, inputs=work.cached.inputs.detach().to("cpu"), cached=None)
-        else:
-            work = dataclasses.replace(work, inputs=work.inputs.detach())
-        return dataclasses.replace(self, work=work)
+    def put(self, microbatch_id: str, entry: CachedForward) -> None:
+        with self.lock:
+            self.entries[microbatch_id] = entry
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+
+    def claim(self, microbatch_id: str, version: int) -> CachedForward | None:
+        """Take this microbatch's recorded forward, if it is still here and recorded at `version`."""
+        with self.lock:
+            entry = self.entries.pop(microbatch_id, None)
+        return entry if entry is not None and entry.version == version else None
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+
+
+class ServiceTimes:
+    """Moving averages of the seconds a sample takes forward and backward on this worker."""
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = alpha
+        self.sec_per_sample: dict[str, float | None] = {"forward": None, "backward": None}
+
+    def observe(self, kind: str, sec: float) -> None:
+        old = self.sec_per_sample[kind]
+        self.sec_per_sample[kind] = sec if old is None else (1 - self.alpha) * old + self.alpha * sec
 
     @property
-    def samples(self) -> int:
-        return self.work.input_shape[0]
-
-    @property
-    def tokens(self) -> int:
-        return self.work.input_shape[0] * self.work.input_shape[1]
-
-
-class StagedGrads:
-    """Sets a module's accumulated gradients aside, so that the next backward fills fresh buffers;
-    then `commit` adds those to the ones set aside, or `drop` forgets them. Either way each `.grad`
-    is afterwards the tensor it was before (hivemind's averager reads them in place)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.kept = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
-
-    def commit(self) -> None:
-        with torch.no_grad():
-            for p, kept in zip(self.params, self.kept, strict=True):
-                if kept is None:
-                    continue  # the fresh buffer (or none) stays
-                if p.grad is not None:
-                    kept.add_(p.grad)
-                p.grad = kept
-
-    def drop(self) -> None:
-        for p, kept in zip(self.params, self.kept, strict=True):
-            p.grad = kept
-
-
-class WorkQueue:
-    """Two FIFO lanes; backward first. `take` returns a batch of tasks of one kind and one shape."""
-
-    def __init__(self):
-        self.lanes: dict[str, collections.deque] = {"backward": collections.deque(), "forward": collections.deque()}
-        self.cond = threading.Condition()
-        self.closed = False
-
-    def put(self, kind: str, task: _Task) -> None:
-        with self.cond:
-            self.lanes[kind].append(task)
-            self.cond.notify()
-
-    def __len__(self) -> int:
-        return sum(map(len, self.lanes.values()))
-
-    def take(self, budget: int, timeout: float = 0.5) -> tuple[str, list[_Task]] | None:
-        with self.cond:
-            if not self.cond.wait_for(lambda: len(self) or self.closed, timeout) or self.closed:
-                return None
-            kind = "backward" if self.lanes["backward"] else "forward"
-            lane = self.lanes[kind]
-            first = lane.popleft()
-            batch, tokens = [first], first.tokens
-            key = _batch_key(first.work)
-            # Take more of the same kind and shape while they fit the token budget.
-            while lane and _batch_key(lane[0].work) == key and tokens + lane[0].tokens <= budget:
-                task = lane.popleft()
-                batch.append(task)
-                tokens += task.tokens
-            return kind, batch
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-            for lane in self.lanes.values():
-                while lane:
-                    _resolve(lane.popleft().future, error=RuntimeError("the worker is shutting down"))
-
-
-def _resolve(future: Future, result=None, error: BaseException | None = None) -> None:
-    """Hand a result to a caller that may have given up meanwhile (its future is then cancelled)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
-
-
-def _batch_key(work: ForwardWork | BackwardWork) -> tuple:
-    if isinstance(work, ForwardWork):
-        return ("forward", tuple(work.inputs.shape[1:]), work.inputs.dtype, work.targets is not None, work.train)
-    return ("backward", work.input_shape[1:], work.output_grad.dtype, work.cached is None)
+    def throughput(self) -> float:
+        """Samples per second of forward + backward (0 before anything was measured)."""
+        f, b = self.sec_per_sample["forward"], self.sec_per_sample["backward"]
+        if f is None and b is None:
+            return 0.0
+        return 1.0 / ((f or 0.0) + (b or f or 0.0))
 
 
 class StageWorker:
+    """Runs one stage's forwards and backwards on one device, a batch at a time, on its own thread."""
+
     def __init__(
         self,
         run: RunConfig,
         stage: int,
         device: torch.device,
-        delay_per_sample: float = 0.0,
-        step_log: Path | None = None,
         dht=None,
         checkpoints: CheckpointWriter | None = None,
-        corrupt_outputs: float = 0.0,
+        faults: Faults = NO_FAULTS,
     ):
-        """`delay_per_sample` (seconds) slows the worker down, to stand in for a slower device in tests;
-        `step_log` gets one JSON line per optimizer step naming the microbatches it applied; with a
-        `dht`, the worker averages its steps with the other peers of its stage; `checkpoints` saves
-        the stage's state every so many steps (closed with the worker); `corrupt_outputs` (tests: a
-        dishonest peer) adds Gaussian noise of that scale, relative to their RMS, to forward outputs."""
-        self.corrupt_outputs = corrupt_outputs
-        self.run, self.stage_index, self.device = run, stage, device
-        self.delay_per_sample, self.step_log, self.checkpoints = delay_per_sample, step_log, checkpoints
-        self.pending_ids: list[str] = []  # microbatches accumulated since the last step
+        """With a `dht`, the worker averages its steps with the other peers of its stage;
+        `checkpoints` saves the stage's state every so many steps (closed with the worker); `faults`:
+        what a test makes this worker do wrong (peer/options.py)."""
+        self.run, self.stage_index, self.device, self.faults = run, stage, device, faults
         self.stage = Stage(run, stage).to(device)
         self.stage.train()
-        if dht is None:
-            self.updater: LocalUpdater | SwarmUpdater = LocalUpdater(run, self.stage)
-        else:
-            self.updater = SwarmUpdater(run, stage, self.stage, dht, note=lambda text: print(text, flush=True))
+        self.updater = make_updater(run, stage, self.stage, dht)
         self.queue = WorkQueue()
         self.lock = threading.Lock()  # held while parameters or gradients change
-        self.cache: collections.OrderedDict[str, CachedForward] = collections.OrderedDict()
-        self._cache_lock = threading.Lock()
-        self._seq = itertools.count()
-        self.samples_served = 0  # samples whose gradients were accumulated
-        self.samples_pending = 0  # ... since the last optimizer step
-        self._next_resync = 0.0
-        self.skipped_steps: list[range] = []  # global steps whose gradients never reached this stage (_catch_up)
-        self.sec_per_sample = {"forward": None, "backward": None}
+        self.cache = ForwardCache(run.serve.cache_size)
+        self.stepper = Stepper(
+            run,
+            stage,
+            self.stage,
+            self.updater,
+            self.lock,
+            stopped=lambda: self.queue.closed,
+            invalidate=self.cache.clear,
+            step_log=faults.log_steps,
+            checkpoints=checkpoints,
+        )
+        self.times = ServiceTimes()
         self.device_name = device_name(device)
         self._thread = threading.Thread(target=self._loop, name=f"stage-{stage}-compute", daemon=True)
         self._thread.start()
@@ -215,10 +134,7 @@ class StageWorker:
 
     def submit(self, work: ForwardWork | BackwardWork, active: Callable[[], bool] | None = None) -> Future:
         """Queue work; `active` tells whether the caller still waits (cancelled work is skipped)."""
-        kind = "backward" if isinstance(work, BackwardWork) else "forward"
-        future: Future = Future()
-        self.queue.put(kind, _Task(0 if kind == "backward" else 1, next(self._seq), work, future, active))
-        return future
+        return self.queue.submit(work, active)
 
     def load_parameters(self, params: dict[str, torch.Tensor]) -> None:
         """Take a stage's current weights (from a live peer of the stage)."""
@@ -234,39 +150,33 @@ class StageWorker:
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> str:
         """Take the stage's weights, optimizer state and step from `checkpoint`; returns the source."""
-        with self.lock:
-            source = self.updater.load_checkpoint(checkpoint)
-            with self._cache_lock:
-                self.cache.clear()
-        return source
+        return self.stepper.load_checkpoint(checkpoint)
 
     @property
     def optimizer_steps(self) -> int:
         """Global steps this stage's weights include."""
-        return self.updater.epoch
+        return self.stepper.optimizer_steps
+
+    @property
+    def samples_served(self) -> int:
+        """Samples whose gradients this worker accumulated."""
+        return self.stepper.samples_served
 
     def claim_cached(self, microbatch_id: str) -> CachedForward | None:
         """Take this microbatch's recorded forward, if it is still here and still current."""
-        with self._cache_lock:
-            entry = self.cache.pop(microbatch_id, None)
-        return entry if entry is not None and entry.version == self.optimizer_steps else None
+        return self.cache.claim(microbatch_id, self.optimizer_steps)
 
     @property
     def throughput(self) -> float:
         """Samples per second of forward + backward, from moving averages of measured times."""
-        f, b = self.sec_per_sample["forward"], self.sec_per_sample["backward"]
-        if f is None and b is None:
-            return 0.0
-        return 1.0 / ((f or 0.0) + (b or f or 0.0))
+        return self.times.throughput
 
     def close(self) -> None:
         """Refuse queued work and stop. A step still averaging is left to time out on its own
         (the thread is a daemon): leaving must not wait for the stage's all-reduce."""
         self.queue.close()
         self._thread.join(timeout=1)
-        self.updater.close()
-        if self.checkpoints is not None:
-            self.checkpoints.close()
+        self.stepper.close()
 
     # -- the compute thread ----------------------------------------------------------------
 
@@ -282,19 +192,19 @@ class StageWorker:
         """One round of the compute thread: a batch of work, or a look at the stage's step when idle."""
         got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1)
         if got is None:
-            self._maybe_step()  # the stage may have completed its batch on other peers
+            self.stepper.maybe_step()  # the stage may have completed its batch on other peers
             return
         kind, batch = got
         try:
-            self._catch_up(max(t.work.step for t in batch))
+            self.stepper.catch_up(max(t.work.step for t in batch))
         except Exception as err:  # e.g. the stage's state could not be loaded: these callers retry elsewhere
             for task in batch:
-                _resolve(task.future, error=RequestError(grpc.StatusCode.UNAVAILABLE, f"stage sync failed: {err}"))
+                resolve(task.future, error=RequestError(grpc.StatusCode.UNAVAILABLE, f"stage sync failed: {err}"))
             raise
         self._run_batch(kind, batch)
 
-    def _run_batch(self, kind: str, batch: list[_Task]) -> None:
-        batch = self._drop_cancelled(batch)
+    def _run_batch(self, kind: str, batch: list[Task]) -> None:
+        batch = still_waiting(batch)
         if not batch:
             return
         start = time.perf_counter()
@@ -308,81 +218,21 @@ class StageWorker:
                     results = self._forward(batch)
             if not batch:
                 return
-            if self.delay_per_sample:
-                time.sleep(self.delay_per_sample * sum(t.samples for t in batch))
+            self.faults.delay(sum(t.samples for t in batch))
         except Exception as err:  # a real fault: report it to every caller in the batch
             for task in batch:
-                _resolve(task.future, error=err)
+                resolve(task.future, error=err)
             return
         samples = sum(t.samples for t in batch)
         self._measure(kind, batch, (time.perf_counter() - start) / samples)
         for task, result in zip(batch, results, strict=True):
             if isinstance(result, Exception):
-                _resolve(task.future, error=result)
+                resolve(task.future, error=result)
             else:
-                _resolve(task.future, result=result)
-        self._maybe_step()  # after answering: the caller need not wait for the stage's step
+                resolve(task.future, result=result)
+        self.stepper.maybe_step()  # after answering: the caller need not wait for the stage's step
 
-    def _catch_up(self, step: int) -> None:
-        """Work for global step `step` needs the weights after `step` steps: take the step before it
-        first, once the stage has served its batch (or the wait for the count times out).
-
-        The stage's step count stays the trainer's global step: a step none of whose samples reached
-        a live peer of the stage (the peers that served it died with its gradients) is skipped, not
-        left to shift every later step by one (each later step would then wait for a count that never
-        comes, and exchange gradient norms with the other stages under the wrong step)."""
-        if step > self.optimizer_steps + 1:
-            self._resync()  # the peer missed steps: take the stage's state
-            if step > self.optimizer_steps + 1:
-                # No live peer of the stage is past them, so none holds their gradients either.
-                self._skip_to(step, "no live peer of the stage took them")
-        if step != self.optimizer_steps + 1:
-            return  # a stale trainer's gradient counts toward the current step, as in hivemind
-        deadline = time.monotonic() + self.run.averaging.sync_timeout_s
-        while self.optimizer_steps < step and not self.queue.closed:
-            if self.updater.behind(self.samples_pending):
-                self._resync()
-            elif self.updater.ready(self.samples_pending):
-                with self.lock:
-                    self._step()
-            elif time.monotonic() > deadline:
-                if self.updater.started(self.samples_pending):
-                    with self.lock:
-                        self._step(force=True)
-                if self.optimizer_steps < step:
-                    self._skip_to(step, "none of its samples reached a live peer of the stage")
-                return
-            else:
-                time.sleep(0.02)
-
-    def _skip_to(self, step: int, why: str) -> None:
-        """Take the stage's step count to `step` without applying anything: the gradients of the
-        steps in between are gone. Gradients held for an older step are dropped with them."""
-        with self.lock:
-            skipped = range(self.optimizer_steps, step)
-            if not skipped:
-                return
-            self._drop_pending()
-            self.updater.skip_to(step)
-            self.skipped_steps.append(skipped)
-            with self._cache_lock:
-                self.cache.clear()
-        steps = str(skipped[0]) if len(skipped) == 1 else f"{skipped[0]}-{skipped[-1]}"
-        print(f"stage {self.stage_index}: skipped step(s) {steps}: {why}", flush=True)
-
-    @staticmethod
-    def _drop_cancelled(batch: list[_Task]) -> list[_Task]:
-        # A caller that timed out has retried elsewhere: doing its work now would count its
-        # gradient twice.
-        kept = []
-        for task in batch:
-            if task.waiting():
-                kept.append(task)
-            else:
-                _resolve(task.future, error=RequestError(grpc.StatusCode.CANCELLED, "the caller gave up"))
-        return kept
-
-    def _accumulate(self, kind: str, batch: list[_Task]) -> tuple[list[_Task], list]:
+    def _accumulate(self, kind: str, batch: list[Task]) -> tuple[list[Task], list]:
         """Run work that adds to the stage's gradient (backward; the last stage's training forward)
         and keep its gradient only for callers that still wait: those who gave up while it ran (the
         process was frozen, the call timed out) have retried elsewhere, and counting their
@@ -399,43 +249,40 @@ class StageWorker:
             left = [not task.waiting() for task in batch]
             if not any(left):
                 staged.commit()
-                self._served([t for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)])
+                served = [t for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)]
+                self.stepper.served([t.work.microbatch_id for t in served], sum(t.samples for t in served))
                 return batch, results
             staged.drop()
             for task, gone in zip(batch, left, strict=True):
                 if gone:
-                    _resolve(task.future, error=RequestError(grpc.StatusCode.CANCELLED, "the caller gave up"))
+                    gave_up(task)
             batch = [task.uncached() for task, gone in zip(batch, left, strict=True) if not gone]
         return [], []
 
-    def _measure(self, kind: str, batch: list[_Task], sec: float) -> None:
+    def _measure(self, kind: str, batch: list[Task], sec: float) -> None:
         # The last stage's training forward is forward + backward in one call.
         if kind == "forward" and batch[0].work.train and self.stage.is_last:
             sec /= 2
-            self._ema("backward", sec)
-        self._ema(kind, sec)
-
-    def _ema(self, kind: str, sec: float, alpha: float = 0.1) -> None:
-        old = self.sec_per_sample[kind]
-        self.sec_per_sample[kind] = sec if old is None else (1 - alpha) * old + alpha * sec
+            self.times.observe("backward", sec)
+        self.times.observe(kind, sec)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _inputs(self, batch: list[_Task]) -> torch.Tensor:
+    def _inputs(self, batch: list[Task]) -> torch.Tensor:
         """The batch's inputs, concatenated, on the device (float32 hidden states, or token ids)."""
         x = torch.cat([t.work.inputs for t in batch]) if len(batch) > 1 else batch[0].work.inputs
         x = self._to_device(x)
         return x if self.stage.is_first else x.float()
 
-    def _split(self, t: torch.Tensor | None, batch: list[_Task]) -> list[torch.Tensor | None]:
+    def _split(self, t: torch.Tensor | None, batch: list[Task]) -> list[torch.Tensor | None]:
         if t is None:
             return [None] * len(batch)
         return list(t.detach().to("cpu").split([task.samples for task in batch]))
 
-    def _forward(self, batch: list[_Task]) -> list[ForwardResult]:
+    def _forward(self, batch: list[Task]) -> list[ForwardResult]:
         first: ForwardWork = batch[0].work
         if first.targets is not None:
             return self._forward_loss(batch)
@@ -444,15 +291,12 @@ class StageWorker:
         with torch.set_grad_enabled(cache), autocast(self.device, self.run.model.dtype):
             if cache and not self.stage.is_first:
                 x.requires_grad_(True)
-            out = self._corrupt(self.stage(x))
+            out = self.faults.corrupt(self.stage(x))
         if cache:
-            with self._cache_lock:
-                self.cache[first.microbatch_id] = CachedForward(x, out, self.optimizer_steps)
-                while len(self.cache) > self.run.serve.cache_size:
-                    self.cache.popitem(last=False)
+            self.cache.put(first.microbatch_id, CachedForward(x, out, self.optimizer_steps))
         return [ForwardResult(output=o) for o in self._split(out, batch)]
 
-    def _forward_loss(self, batch: list[_Task]) -> list[ForwardResult]:
+    def _forward_loss(self, batch: list[Task]) -> list[ForwardResult]:
         """Last stage with targets: the loss of each request and, when training, its input gradient."""
         train = batch[0].work.train
         x = self._inputs(batch)
@@ -461,7 +305,7 @@ class StageWorker:
             if train and not self.stage.is_first:
                 x.requires_grad_(True)
             with autocast(self.device, self.run.model.dtype):
-                logits = self._corrupt(self.stage(x))
+                logits = self.faults.corrupt(self.stage(x))
             per_sample = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").mean(dim=1)
             sizes = [t.work.inputs.shape[0] for t in batch]
             losses = [chunk.mean() for chunk in per_sample.split(sizes)]
@@ -471,14 +315,7 @@ class StageWorker:
         grads = self._split(x.grad if train and not self.stage.is_first else None, batch)
         return [ForwardResult(loss=float(loss.detach()), input_grad=g) for loss, g in zip(losses, grads, strict=True)]
 
-    def _corrupt(self, out: torch.Tensor) -> torch.Tensor:
-        if not self.corrupt_outputs:
-            return out
-        with torch.no_grad():
-            noise = torch.randn_like(out) * (self.corrupt_outputs * out.float().pow(2).mean().sqrt())
-        return out + noise
-
-    def _backward(self, batch: list[_Task]) -> list[torch.Tensor | None | Exception]:
+    def _backward(self, batch: list[Task]) -> list[torch.Tensor | None | Exception]:
         results: list[torch.Tensor | None | Exception] = [None] * len(batch)
         recompute = []
         for i, task in enumerate(batch):
@@ -506,69 +343,6 @@ class StageWorker:
             for i, g in zip(recompute, grads, strict=True):
                 results[i] = g
         return results
-
-    def _served(self, tasks: list[_Task]) -> None:
-        samples = sum(t.samples for t in tasks)
-        self.samples_served += samples
-        self.samples_pending += samples
-        self.pending_ids.extend(t.work.microbatch_id for t in tasks)
-        self.updater.served(self.samples_pending)
-
-    def _maybe_step(self) -> None:
-        if self.updater.behind(self.samples_pending):
-            if time.monotonic() >= self._next_resync:
-                self._next_resync = time.monotonic() + 2
-                self._resync()
-        elif self.updater.ready(self.samples_pending):
-            with self.lock:
-                self._step()
-
-    def _resync(self) -> None:
-        """Replace this replica's state by the stage's. Gradients served toward the step the stage is
-        at are kept (they were computed on weights one step away at most); older ones are dropped."""
-        with self.lock:
-            before = self.optimizer_steps
-            params = [p for p in self.stage.parameters() if p.grad is not None]
-            kept = [p.grad.clone() for p in params] if self.samples_pending else []
-            source = self.updater.load_state()
-            if kept and self.optimizer_steps == before:
-                with torch.no_grad():
-                    for p, g in zip(params, kept, strict=True):
-                        p.grad.copy_(g)  # hivemind zeroed the buffers when it loaded the state
-                self.updater.served(self.samples_pending)
-            else:
-                self._drop_pending()
-        print(f"stage {self.stage_index}: caught up to step {self.optimizer_steps} from {source}", flush=True)
-
-    def _drop_pending(self) -> None:
-        """Forget the gradients accumulated since the last step (their step is gone). Under the lock."""
-        if self.samples_pending:
-            print(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients", flush=True)
-        self.samples_pending, self.pending_ids = 0, []
-        self.stage.zero_grad(set_to_none=False)
-
-    def _step(self, force: bool = False) -> None:
-        before = self.optimizer_steps
-        used = self.updater.step(self.samples_pending, force=force)
-        if self.optimizer_steps == before:
-            return
-        with self._cache_lock:
-            self.cache.clear()  # graphs recorded before the step no longer match the weights
-        self.samples_pending -= used
-        if self.step_log:
-            with open(self.step_log, "a") as f:
-                f.write(
-                    json.dumps(
-                        {"stage": self.stage_index, "step": self.optimizer_steps, "microbatches": self.pending_ids}
-                    )
-                    + "\n"
-                )
-        self.pending_ids = []
-        if self.checkpoints is not None and not self.updater.missed:
-            # A replica that missed the stage's all-reduce holds a state that is not the step's.
-            self.checkpoints.offer(
-                self.optimizer_steps, lambda: Snapshot.take(self.stage, self.updater.optimizer, self.optimizer_steps)
-            )
 
     # -- state -----------------------------------------------------------------------------
 

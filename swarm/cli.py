@@ -6,10 +6,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from swarm.config import ConfigError, RunConfig, format_validation_error, load_config
+
+if TYPE_CHECKING:
+    from peer.options import PeerOptions
 
 
 def positive_int(text: str) -> int:
@@ -135,6 +139,32 @@ def checkpoint_dir_choice(text: str) -> Path | None:
     return None if text.strip().lower() == "none" else Path(text).expanduser()
 
 
+def peer_options(args: argparse.Namespace) -> PeerOptions:
+    """The options of `swarm peer --coordinator URL`, from its parsed flags."""
+    from peer.options import Faults, PeerOptions
+
+    return PeerOptions(
+        coordinator=args.coordinator,
+        stage=args.stage,
+        host=args.host,
+        port=args.port,
+        dht_port=args.dht_port,
+        announce_host=args.announce_host,
+        device=args.device,
+        public_name=args.public_name,
+        threads=args.threads,
+        rebalance=not args.no_rebalance,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        join_token=args.join_token,
+        join_wait=args.join_wait,
+        ready_file=args.ready_file,
+        faults=Faults(
+            delay_per_sample=args.delay_per_sample, corrupt_outputs=args.corrupt_outputs, log_steps=args.log_steps
+        ),
+    )
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
     args.coordinator = coordinator_url(args.coordinator, bool(args.config))
     if args.coordinator:
@@ -142,26 +172,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             raise ConfigError("swarm peer: give --coordinator (join a run) or --config (serve by hand), not both")
         from peer.daemon import exit_now, run_peer
 
-        code = run_peer(
-            args.coordinator,
-            args.stage,
-            args.host,
-            args.port,
-            device=args.device,
-            public_name=args.public_name,
-            threads=args.threads,
-            delay_per_sample=args.delay_per_sample,
-            step_log=args.log_steps,
-            rebalance=not args.no_rebalance,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-            announce_host=args.announce_host,
-            dht_port=args.dht_port,
-            join_token=args.join_token,
-            join_wait=args.join_wait,
-            corrupt_outputs=args.corrupt_outputs,
-            ready_file=args.ready_file,
-        )
+        code = run_peer(peer_options(args))
         exit_now(code)
     if not args.config or args.stage is None:
         raise ConfigError("swarm peer: give --coordinator URL (or $SWARM_COORDINATOR), or --config C with --stage K")
@@ -388,10 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="name shown on the dashboard (default: $SWARM_PUBLIC_NAME)",
     )
     peer.add_argument("--no-rebalance", action="store_true", help="stay on the first stage (never move)")
-    peer.add_argument("--delay-per-sample", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow device
-    peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)  # tests: applied microbatches
-    # tests: a dishonest peer, adding Gaussian noise of this scale (x the outputs' RMS) to its forward outputs
-    peer.add_argument("--corrupt-outputs", type=float, default=0.0, help=argparse.SUPPRESS)
+    # Faults for tests (peer/options.py: Faults), hidden from --help.
+    peer.add_argument("--delay-per-sample", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
+    peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)
+    peer.add_argument("--corrupt-outputs", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
     peer.add_argument("--dht-port", type=port_number, default=0, help="the DHT node's port (default: any free port)")

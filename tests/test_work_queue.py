@@ -2,8 +2,9 @@
 
 import torch
 
+from peer.queue import Task, WorkQueue
 from peer.requests import BackwardWork, ForwardWork
-from peer.worker import StageWorker, WorkQueue, _Task
+from peer.worker import StageWorker
 from swarm.config import load_config
 from tests.conftest import CONFIGS
 
@@ -16,11 +17,11 @@ def bwd(b: int, t: int = 16) -> BackwardWork:
     return BackwardWork(torch.zeros(b, t, 8), torch.zeros(b, t, 8), "b", 0, (b, t, 8))
 
 
-def put(q: WorkQueue, work, seq: int) -> _Task:
+def put(q: WorkQueue, work, seq: int) -> Task:
     from concurrent.futures import Future
 
     kind = "backward" if isinstance(work, BackwardWork) else "forward"
-    task = _Task(0 if kind == "backward" else 1, seq, work, Future())
+    task = Task(0 if kind == "backward" else 1, seq, work, Future())
     q.put(kind, task)
     return task
 
@@ -114,7 +115,7 @@ def test_a_gradient_whose_caller_left_during_the_compute_is_not_kept():
         result = stays.result(timeout=30)
         err = leaves.exception(timeout=30)
         assert isinstance(err, RequestError) and err.code == grpc.StatusCode.CANCELLED
-        assert worker.samples_served == 2 and worker.pending_ids == ["a"]
+        assert worker.samples_served == 2 and worker.stepper.pending_ids == ["a"]
 
         xa = x["a"].clone().requires_grad_(True)
         logits = reference.stage(xa)
@@ -157,7 +158,7 @@ def test_a_recorded_forward_whose_partner_left_is_run_again_from_its_input():
         worker.lock.release()
         assert stays.result(timeout=30) is None  # the first stage has no input gradient
         assert leaves.exception(timeout=30) is not None
-        assert worker.pending_ids == ["p", "a"]
+        assert worker.stepper.pending_ids == ["p", "a"]
 
         for k in "pa":
             reference.stage(tokens[k]).backward(grad[k])
@@ -194,7 +195,7 @@ def test_a_lost_step_is_waited_for_once_then_the_stage_keeps_the_trainers_step_c
                 if i == 0:
                     waited[step] = time.monotonic() - start
             # the step's samples are all here: the stage takes step `step` on its own (or on the next request)
-        assert worker.skipped_steps == [range(0, 1)]
+        assert worker.stepper.skipped_steps == [range(0, 1)]
         assert waited[1] >= wait_s
         # No later first request waits for a count: each finds its predecessor's samples at hand
         # (seconds below the wait even on a loaded machine: a tiny forward takes milliseconds).

@@ -1,0 +1,260 @@
+"""When a stage worker takes its optimizer steps, and what it keeps track of between them.
+
+The worker accumulates the gradients of the samples it served in the parameters' `.grad`; an
+`Updater` (peer/averaging.py) turns them into a step: alone (`LocalUpdater`, every global batch) or
+averaged with the other peers of the stage (`SwarmUpdater`). The `Stepper` decides when:
+
+Requests carry the global step they belong to: a training request for step s needs the weights
+after s steps, so a worker that has not yet taken step s - 1 finishes it first (waiting for the
+stage's count, at most `averaging.sync_timeout_s`). A worker that missed steps takes the stage's
+state from its live peers (`resync`); steps whose gradients died with the peers that served them
+are skipped, so that the stage's step count stays the trainer's global step.
+
+Checkpoints (peer/checkpoint.py): right after an optimizer step, on the compute thread and under the
+lock that guards the weights, the stepper offers the stage's state to a `CheckpointWriter`, which
+copies it when a checkpoint is due and writes it on its own thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from peer.averaging import LocalUpdater, SwarmUpdater
+from peer.checkpoint import Checkpoint, CheckpointWriter, Snapshot
+from swarm.config import RunConfig
+
+
+class Updater(Protocol):
+    """Turns a stage's accumulated gradients into optimizer steps. `pending` is the number of samples
+    whose gradients this replica holds since its last step."""
+
+    @property
+    def epoch(self) -> int:
+        """Global steps the stage's weights include."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def missed(self) -> bool:
+        """The last step left this replica out: its state is not the step's."""
+
+    def served(self, pending: int) -> None:
+        """Hear that this replica now holds `pending` samples' gradients."""
+
+    def ready(self, pending: int) -> bool:
+        """Time to take the step: the stage served its global batch."""
+
+    def started(self, pending: int) -> bool:
+        """Some replica of the stage served samples toward the current step."""
+
+    def behind(self, pending: int) -> bool:
+        """This replica's weights are not the stage's: it must `load_state` before stepping."""
+
+    def step(self, pending: int, force: bool = False) -> int:
+        """Apply the accumulated gradient (`force`: even short of the global batch); returns the
+        samples used (0: no step was taken)."""
+
+    def skip_to(self, step: int) -> None:
+        """Count the steps up to `step` as taken, applying nothing (their gradients are gone)."""
+
+    def load_state(self) -> str:
+        """Take the stage's current state from its live replicas, if any; returns where it came from."""
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> str:
+        """Take weights, optimizer state and step from `checkpoint`; returns where they came from."""
+
+    def close(self) -> None: ...
+
+
+def make_updater(run: RunConfig, stage: int, module: torch.nn.Module, dht=None) -> Updater:
+    """A lone stage's updater, or with a `dht` one that averages with the other peers of the stage."""
+    if dht is None:
+        return LocalUpdater(run, module)
+    return SwarmUpdater(run, stage, module, dht, note=lambda text: print(text, flush=True))
+
+
+class StagedGrads:
+    """Sets a module's accumulated gradients aside, so that the next backward fills fresh buffers;
+    then `commit` adds those to the ones set aside, or `drop` forgets them. Either way each `.grad`
+    is afterwards the tensor it was before (hivemind's averager reads them in place)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.kept = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def commit(self) -> None:
+        with torch.no_grad():
+            for p, kept in zip(self.params, self.kept, strict=True):
+                if kept is None:
+                    continue  # the fresh buffer (or none) stays
+                if p.grad is not None:
+                    kept.add_(p.grad)
+                p.grad = kept
+
+    def drop(self) -> None:
+        for p, kept in zip(self.params, self.kept, strict=True):
+            p.grad = kept
+
+
+class Stepper:
+    """Keeps one stage's weights at the trainer's global step: counts the samples served, steps,
+    catches up, resyncs and skips; logs each step and offers it to the checkpoints."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        stage_index: int,
+        module: torch.nn.Module,
+        updater: Updater,
+        lock: threading.Lock,
+        stopped: Callable[[], bool],
+        invalidate: Callable[[], None],
+        step_log: Path | None = None,
+        checkpoints: CheckpointWriter | None = None,
+    ):
+        """`lock` guards the weights and gradients (shared with the compute); `stopped` says the worker
+        is closing (a catch-up stops waiting); `invalidate` is called when the weights change, so that
+        forward graphs recorded before are not used; `step_log` gets one JSON line per step naming the
+        microbatches it applied; `checkpoints` saves the stage's state every so many steps."""
+        self.run, self.stage_index, self.module, self.updater = run, stage_index, module, updater
+        self.lock, self.stopped, self.invalidate = lock, stopped, invalidate
+        self.step_log, self.checkpoints = step_log, checkpoints
+        self.pending_ids: list[str] = []  # microbatches accumulated since the last step
+        self.samples_served = 0  # samples whose gradients were accumulated
+        self.samples_pending = 0  # ... since the last optimizer step
+        self._next_resync = 0.0
+        self.skipped_steps: list[range] = []  # global steps whose gradients never reached this stage (catch_up)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Global steps this stage's weights include."""
+        return self.updater.epoch
+
+    def served(self, microbatch_ids: list[str], samples: int) -> None:
+        """These microbatches' gradients were accumulated. Under the lock."""
+        self.samples_served += samples
+        self.samples_pending += samples
+        self.pending_ids.extend(microbatch_ids)
+        self.updater.served(self.samples_pending)
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> str:
+        """Take the stage's weights, optimizer state and step from `checkpoint`; returns the source."""
+        with self.lock:
+            source = self.updater.load_checkpoint(checkpoint)
+            self.invalidate()
+        return source
+
+    def catch_up(self, step: int) -> None:
+        """Work for global step `step` needs the weights after `step` steps: take the step before it
+        first, once the stage has served its batch (or the wait for the count times out).
+
+        The stage's step count stays the trainer's global step: a step none of whose samples reached
+        a live peer of the stage (the peers that served it died with its gradients) is skipped, not
+        left to shift every later step by one (each later step would then wait for a count that never
+        comes, and exchange gradient norms with the other stages under the wrong step)."""
+        if step > self.optimizer_steps + 1:
+            self.resync()  # the peer missed steps: take the stage's state
+            if step > self.optimizer_steps + 1:
+                # No live peer of the stage is past them, so none holds their gradients either.
+                self._skip_to(step, "no live peer of the stage took them")
+        if step != self.optimizer_steps + 1:
+            return  # a stale trainer's gradient counts toward the current step, as in hivemind
+        deadline = time.monotonic() + self.run.averaging.sync_timeout_s
+        while self.optimizer_steps < step and not self.stopped():
+            if self.updater.behind(self.samples_pending):
+                self.resync()
+            elif self.updater.ready(self.samples_pending):
+                with self.lock:
+                    self._step()
+            elif time.monotonic() > deadline:
+                if self.updater.started(self.samples_pending):
+                    with self.lock:
+                        self._step(force=True)
+                if self.optimizer_steps < step:
+                    self._skip_to(step, "none of its samples reached a live peer of the stage")
+                return
+            else:
+                time.sleep(0.02)
+
+    def maybe_step(self) -> None:
+        """Step when the stage has served its batch; resync (at most every 2 s) when behind."""
+        if self.updater.behind(self.samples_pending):
+            if time.monotonic() >= self._next_resync:
+                self._next_resync = time.monotonic() + 2
+                self.resync()
+        elif self.updater.ready(self.samples_pending):
+            with self.lock:
+                self._step()
+
+    def resync(self) -> None:
+        """Replace this replica's state by the stage's. Gradients served toward the step the stage is
+        at are kept (they were computed on weights one step away at most); older ones are dropped."""
+        with self.lock:
+            before = self.optimizer_steps
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            kept = [p.grad.clone() for p in params] if self.samples_pending else []
+            source = self.updater.load_state()
+            if kept and self.optimizer_steps == before:
+                with torch.no_grad():
+                    for p, g in zip(params, kept, strict=True):
+                        p.grad.copy_(g)  # hivemind zeroed the buffers when it loaded the state
+                self.updater.served(self.samples_pending)
+            else:
+                self._drop_pending()
+        print(f"stage {self.stage_index}: caught up to step {self.optimizer_steps} from {source}", flush=True)
+
+    def close(self) -> None:
+        """Leave the stage's averaging and finish the checkpoint being written."""
+        self.updater.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+
+    def _skip_to(self, step: int, why: str) -> None:
+        """Take the stage's step count to `step` without applying anything: the gradients of the
+        steps in between are gone. Gradients held for an older step are dropped with them."""
+        with self.lock:
+            skipped = range(self.optimizer_steps, step)
+            if not skipped:
+                return
+            self._drop_pending()
+            self.updater.skip_to(step)
+            self.skipped_steps.append(skipped)
+            self.invalidate()
+        steps = str(skipped[0]) if len(skipped) == 1 else f"{skipped[0]}-{skipped[-1]}"
+        print(f"stage {self.stage_index}: skipped step(s) {steps}: {why}", flush=True)
+
+    def _drop_pending(self) -> None:
+        """Forget the gradients accumulated since the last step (their step is gone). Under the lock."""
+        if self.samples_pending:
+            print(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients", flush=True)
+        self.samples_pending, self.pending_ids = 0, []
+        self.module.zero_grad(set_to_none=False)
+
+    def _step(self, force: bool = False) -> None:
+        """Take the stage's step, if the updater does. Under the lock."""
+        before = self.optimizer_steps
+        used = self.updater.step(self.samples_pending, force=force)
+        if self.optimizer_steps == before:
+            return
+        self.invalidate()  # graphs recorded before the step no longer match the weights
+        self.samples_pending -= used
+        if self.step_log:
+            entry = {"stage": self.stage_index, "step": self.optimizer_steps, "microbatches": self.pending_ids}
+            with open(self.step_log, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        self.pending_ids = []
+        if self.checkpoints is not None and not self.updater.missed:
+            # A replica that missed the stage's all-reduce holds a state that is not the step's.
+            self.checkpoints.offer(
+                self.optimizer_steps, lambda: Snapshot.take(self.module, self.updater.optimizer, self.optimizer_steps)
+            )
