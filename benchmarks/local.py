@@ -11,7 +11,7 @@ from benchmarks.results import append_row
 from swarm.config import load_config
 from swarm.device import resolve_device
 from swarm.model import Stage
-from swarm.train_local import train_local
+from swarm.trainer.local import train_local
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

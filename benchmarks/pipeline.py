@@ -19,8 +19,9 @@ from benchmarks.common import Proc, stop_all
 from benchmarks.results import append_row
 from swarm.config import RunConfig, load_config
 from swarm.ready import PeerReady, wait_ready
-from swarm.train_local import train_local
-from swarm.train_pipeline import train_pipeline
+from swarm.trainer.local import train_local
+from swarm.trainer.options import TrainerOptions
+from swarm.trainer.pipeline import train_pipeline
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> str:
             print(f"pipeline, codec {codec}: 2 workers x {args.threads} threads, {args.inflight} in flight", flush=True)
             procs, addresses = start_workers(cfg_path, cfg.stages.count, args.threads, args.device, tmp)
             try:
-                records = train_pipeline(cfg, addresses, args.steps, inflight=args.inflight)
+                records = train_pipeline(cfg, addresses, TrainerOptions(steps=args.steps, inflight=args.inflight))
             finally:
                 stop_all(procs)
             tps = steady_tokens_per_s(records, args.warmup)

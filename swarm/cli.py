@@ -78,49 +78,49 @@ def data_path(text: str) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from swarm.trainer.options import TrainerOptions
+
     args.coordinator = coordinator_url(args.coordinator, bool(args.local or args.peers or args.config))
+    opts = TrainerOptions(
+        steps=args.steps,
+        inflight=args.inflight,
+        log_json=args.log_json,
+        device=args.device,
+        data=args.data,
+        call_timeout=args.call_timeout,
+        verify_fraction=args.verify_fraction,
+        join_token=args.join_token,
+        join_wait=args.join_wait,
+    )
     if args.coordinator:
         if args.local or args.peers or args.config:
             raise ConfigError(
                 "swarm train: --coordinator takes the run config from the coordinator; "
                 "drop --local, --peers and --config"
             )
-        from swarm.train_swarm import train_swarm
+        from swarm.trainer.swarm import train_swarm
 
-        train_swarm(
-            args.coordinator,
-            args.steps,
-            inflight=args.inflight,
-            log_json=args.log_json,
-            call_timeout=args.call_timeout,
-            data=args.data,
-            verify_fraction=args.verify_fraction,
-            join_token=args.join_token,
-            join_wait=args.join_wait,
-        )
+        train_swarm(args.coordinator, opts)
         return 0
     if not args.config:
         raise ConfigError("swarm train: --config is required (or --coordinator URL, or $SWARM_COORDINATOR)")
     run = load_config(args.config)
-    if args.data:
-        run = run.with_data(args.data)
-    steps = args.steps or run.training.steps
+    if opts.data:
+        run = run.with_data(opts.data)
     if args.local:
-        from swarm.train_local import train_local
+        from swarm.trainer.local import train_local
 
-        train_local(run, steps, device=args.device, log_json=args.log_json)
+        train_local(run, opts.steps or run.training.steps, device=opts.device, log_json=opts.log_json)
         return 0
     if args.peers:
-        from swarm.train_pipeline import train_pipeline
+        from swarm.trainer.pipeline import train_pipeline
 
         addresses = [a.strip() for a in args.peers.split(",") if a.strip()]
         for a in addresses:
             host, _, port = a.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--peers: {a!r} is not HOST:PORT")
-        train_pipeline(
-            run, addresses, steps, inflight=args.inflight, log_json=args.log_json, join_token=args.join_token
-        )
+        train_pipeline(run, addresses, opts)
         return 0
     raise ConfigError("swarm train: choose where to train: --local (one process) or --peers ADDR0,ADDR1,...")
 

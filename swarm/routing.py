@@ -10,7 +10,7 @@ say in a slow all-reduce, must not stall the trainer for the whole back-off).
 
 Each call's deadline follows the peer's measured latency (`deadline`): a few times the slowest of its recent calls,
 never less than the caller's floor (the trainer's is the longest a stage may hold a call during its optimizer step:
-swarm/train_swarm.py, `step_hold_s`), so a peer that froze is given up on in seconds, while one that is merely
+swarm/trainer/swarm.py, `step_hold_s`), so a peer that froze is given up on in seconds, while one that is merely
 busy is not.
 
 Nothing here touches the network, threads or the clock: every method that needs the time takes `now` (seconds),

@@ -16,7 +16,8 @@ from peer.service import start_server
 from peer.worker import StageWorker
 from swarm.config import load_config
 from swarm.records import answering, make_dht, reconnect, shutdown_dht, visible_maddrs
-from swarm.train_swarm import SwarmPipeline, step_hold_s
+from swarm.trainer import Membership, SwarmCaller, step_hold_s
+from swarm.verify import SpotChecks
 from swarm.wire import encode
 from tests.conftest import CONFIGS
 from tests.processes import free_port, survivors, wait_for_state
@@ -58,31 +59,34 @@ def test_reconnect_pings_the_nodes_at_the_addresses_it_is_given(nodes):
 
 @pytest.fixture
 def stage1(nodes):
-    """A real stage-1 worker serving on loopback, and a trainer's SwarmPipeline on a real DHT node whose
-    routing the test sets itself (no refresh from the DHT). Yields (pipe, worker, address)."""
+    """A real stage-1 worker serving on loopback, and a trainer's SwarmCaller on a real DHT node whose
+    routing the test sets itself (no refresh from the DHT). Yields (caller, notes, worker, address):
+    `notes` collects the caller's status notes."""
     run = load_config(CONFIGS / "tiny.toml")
     worker = StageWorker(run, 1, torch.device("cpu"))
     server, _, port = start_server(worker, "127.0.0.1", 0)
-    pipe = SwarmPipeline(run, [], nodes[0], call_timeout=30.0, refresh_s=3600.0)
-    yield pipe, worker, f"127.0.0.1:{port}"
-    pipe.close()
+    members = Membership(run, nodes[0], [], SpotChecks(run.stages.count, 0.0), refresh_s=3600.0)
+    notes: list[str] = []
+    caller = SwarmCaller(run, members, notes.append, call_timeout=30.0)
+    yield caller, notes, worker, f"127.0.0.1:{port}"
+    caller.close()
+    members.close()
     server.stop(0)
     worker.close()
 
 
-def route(pipe: SwarmPipeline, stage: int, addresses: dict[str, str]) -> None:
-    with pipe.lock:
-        pipe.routers[stage].update_peers({peer: 1.0 for peer in addresses}, time.monotonic())
-        pipe.addresses[stage] = dict(addresses)
+def route(caller: SwarmCaller, stage: int, addresses: dict[str, str]) -> None:
+    with caller.members.stage(stage) as (router, routed):
+        router.update_peers({peer: 1.0 for peer in addresses}, time.monotonic())
+        routed.clear()
+        routed.update(addresses)
 
 
 def test_when_every_live_peer_of_a_stage_failed_once_the_trainer_asks_again_without_waiting(stage1):
     """Stage 1 lists two peers: one gone (its port is closed; its record would live out its TTL) and one
     live that times out once (a real gRPC deadline). Both fail within one call; the call goes round
     again and gets its answer from the live one, and the trainer never says it waits for a peer."""
-    pipe, _, live = stage1
-    notes: list[str] = []
-    pipe.note = notes.append
+    pipe, notes, _, live = stage1
     gone = f"127.0.0.1:{free_port()}"
     route(pipe, 1, {"gone": gone, "live": live})
     asked: list[str] = []
@@ -103,7 +107,7 @@ def test_a_call_held_while_its_stage_steps_is_not_cut_off(stage1):
     """The router has seen the peer answer in milliseconds; then the stage holds the next call for a
     few seconds, as it does while it looks for its replicas and waits for the other stages' gradient
     norms. The call must wait for it: cut off and sent again, it would be computed twice."""
-    pipe, worker, live = stage1
+    pipe, _, worker, live = stage1
     run = pipe.run
     route(pipe, 1, {"live": live})
     x = encode(torch.randn(2, run.model.seq_len, run.model.d_model))
@@ -114,7 +118,8 @@ def test_a_call_held_while_its_stage_steps_is_not_cut_off(stage1):
 
     for _ in range(5):
         pipe.call(1, 2, forward, timed=False)
-    assert pipe.routers[1].deadline("live", floor=0.0, cap=30.0) < 1.0  # fast answers so far
+    with pipe.members.stage(1) as (router, _):
+        assert router.deadline("live", floor=0.0, cap=30.0) < 1.0  # fast answers so far
     held = 3.0
     assert held < step_hold_s(run)
     worker.lock.acquire()  # the compute thread stops, as during an optimizer step

@@ -10,7 +10,7 @@ import torch
 from swarm.config import parse_config
 from swarm.data import TokenStream
 from swarm.model import Stage, lm_loss
-from swarm.train_pipeline import Pipeline
+from swarm.trainer import StaticCaller, microbatch
 from swarm.wire import decode
 from tests.conftest import CONFIGS, run_cli
 from tests.processes import start_peer
@@ -72,10 +72,10 @@ def test_pipeline_matches_the_whole_model(tmp_path, stages, layers, cache_size):
         path.write_text(path.read_text() + f"\n[serve]\ncache_size = {cache_size}\n")
     procs, addresses = start_pipeline(path, stages, tmp_path)
     try:
-        pipe = Pipeline(run, addresses)
+        pipe = StaticCaller(run, addresses)
         data = TokenStream.from_config(run.data, run.model.seq_len, run.training.seed)
         batch = data.microbatch(0, 0, run.training.micro_batch)
-        loss = pipe.microbatch(batch, step=0, name="check")  # half a global batch: no optimizer step yet
+        loss = microbatch(pipe, batch, step=0, name="check")  # half a global batch: no optimizer step yet
 
         whole = Stage(run.with_stages(1), 0)
         ref_loss = lm_loss(whole(batch.inputs), batch.targets)
@@ -163,10 +163,10 @@ def test_worker_reports_itself(tmp_path):
     run, path = write_config(tmp_path, "info", 2)
     procs, addresses = start_pipeline(path, 2, tmp_path)
     try:
-        pipe = Pipeline(run, addresses)
+        pipe = StaticCaller(run, addresses)
         data = TokenStream.from_config(run.data, run.model.seq_len, run.training.seed)
         for i in range(run.training.accumulation):
-            pipe.microbatch(data.microbatch(0, i, run.training.micro_batch), 0, f"m{i}")
+            microbatch(pipe, data.microbatch(0, i, run.training.micro_batch), 0, f"m{i}")
         info = pipe.clients[1].info()
         assert (info.run_id, info.stage, info.num_stages, info.codec) == (run.run_id, 1, 2, "none")
         assert info.model_hash == run.model_hash()

@@ -1,0 +1,65 @@
+"""How the trainer reaches a stage: the `StageCaller` protocol that the training loop calls through.
+
+A caller turns "run this on a worker of stage k" into a call to one worker: the static pipeline
+(`--peers`: one fixed address per stage, swarm/trainer/pipeline.py), the swarm (routing, retries
+and bans over the peers found in the DHT, swarm/trainer/swarm.py), or a caller that wraps another
+one (spot checks of forward calls, swarm/trainer/spotcheck.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+from tqdm import tqdm
+
+from swarm.client import StageClient
+from swarm.config import RunConfig
+from swarm.rpc import pb
+
+T = TypeVar("T")
+
+# `send(client, train)`: makes one forward call of a microbatch; a spot check sends it twice, once as
+# an evaluation forward (train=False).
+ForwardSend = Callable[[StageClient, bool], pb.ForwardResponse]
+
+
+class StageCaller(Protocol):
+    run: RunConfig
+    trace: str  # this trainer's id: its microbatch ids start with it
+
+    @property
+    def failures(self) -> int:
+        """Calls that failed and were retried elsewhere."""
+        ...
+
+    def call(
+        self, stage: int, samples: int, fn: Callable[[StageClient], T], prefer: str | None = None
+    ) -> tuple[T, str]:
+        """Run `fn` against a worker of `stage` (`prefer`: this worker first, when it can); returns its
+        answer and which worker gave it."""
+        ...
+
+    def forward(
+        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend
+    ) -> tuple[pb.ForwardResponse, str]:
+        """One forward call of microbatch `name` to `stage`; `send(client, train)` makes it."""
+        ...
+
+    def paused(self) -> bool:
+        """Whether the operator paused the run: no new global step starts."""
+        ...
+
+    def bytes_on_wire(self) -> int: ...
+
+    def counts(self) -> dict:
+        """More counters for the `--log-json` lines and the summary (a swarm's spot checks)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def event(text: str) -> None:
+    """Something the operator may want to know, on its own line above the progress bar."""
+    tqdm.write(text, file=sys.stderr)

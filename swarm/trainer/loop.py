@@ -1,0 +1,129 @@
+"""The training loop over any `StageCaller`: microbatches driven hop by hop through the stages.
+
+The trainer owns the data and drives each microbatch: forward through stages 0..S-1 (the last one
+returns the loss and the gradient of its input), then backward in reverse. It keeps every stage's
+input as the bytes it received, so a Backward call resends them as they were and no activation is
+ever decoded or re-encoded here. K microbatches are in flight at once, so all stages work at the
+same time. Workers take their optimizer step every global batch of samples; the trainer finishes a
+global batch before it starts the next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from swarm.config import RunConfig
+from swarm.data import Batch, TokenStream
+from swarm.progress import RunLog, eval_due
+from swarm.rpc import pb
+from swarm.trainer.caller import StageCaller
+from swarm.wire import encode
+
+PAUSE_CHECK_S = 1.0  # while the operator keeps the run paused, look again this often
+
+
+def microbatch(caller: StageCaller, batch: Batch, step: int, name: str, train: bool = True) -> float:
+    """Forward (and, when training, backward) one microbatch through every stage; its loss."""
+    mb_id = f"{caller.trace}-{name}"
+    last = caller.run.stages.count - 1
+    samples = batch.inputs.shape[0]
+    inputs: list[pb.Tensor] = [encode(batch.inputs)]
+    served_by: list[str] = []
+    for k in range(last):
+        out, peer = caller.forward(
+            k, samples, name, train, lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t)
+        )
+        inputs.append(out.output)
+        served_by.append(peer)
+    scale = samples / caller.run.training.global_batch
+    targets = encode(batch.targets)
+    out, _ = caller.forward(
+        last,
+        samples,
+        name,
+        train,
+        lambda c, t: c.forward(last, inputs[last], mb_id, step, targets=targets, train=t, loss_scale=scale),
+    )
+    if train:
+        grad = out.input_grad
+        for k in range(last - 1, -1, -1):
+            # The worker that ran the forward may still hold its graph: try it first.
+            back, _ = caller.call(
+                k, samples, lambda c, k=k, g=grad: c.backward(k, inputs[k], g, mb_id, step), prefer=served_by[k]
+            )
+            grad = back.input_grad
+    return out.loss
+
+
+def run_training(
+    run: RunConfig,
+    caller: StageCaller,
+    progress: RunLog,
+    steps: int,
+    inflight: int,
+    start: int = 0,
+    on_step: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Train through `caller`, reporting to `progress`: one global batch per step, `inflight`
+    microbatches at once; closes `caller` at the end. `on_step`: told each step's record too.
+
+    While the operator keeps the run paused, no new step starts (the one in flight finishes).
+    Steps are global: the loop runs steps start .. start + steps - 1 (a trainer joining a swarm
+    starts at the swarm's step), and data order follows the global step. A validation pass after
+    step s asks for the weights after s + 1 steps."""
+    t = run.training
+    data = TokenStream.from_config(run.data, run.model.seq_len, t.seed)
+    val = data.val_batches(t.eval_batches, t.micro_batch)
+    desc = progress.bar.desc  # the bar's own description, shown again when a pause ends
+    pool = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="microbatch")
+    tokens_per_step = t.global_batch * run.model.seq_len
+    done = 0
+    try:
+        for i in range(steps):
+            step = start + i
+            if caller.paused():
+                progress.note("paused by the operator")
+                while caller.paused():
+                    time.sleep(PAUSE_CHECK_S)
+                progress.note(desc)
+            jobs = [
+                pool.submit(microbatch, caller, data.microbatch(step, i, t.micro_batch), step, f"{step}.{i}")
+                for i in range(t.accumulation)
+            ]
+            loss = sum(j.result() for j in jobs) / len(jobs)
+            done += len(jobs)
+            val_loss = None
+            if eval_due(i, steps, t.eval_every):
+                jobs = [
+                    pool.submit(microbatch, caller, b, step + 1, f"val{step}.{j}", False) for j, b in enumerate(val)
+                ]
+                val_loss = sum(j.result() for j in jobs) / len(jobs)
+            record = progress.step(
+                step,
+                loss,
+                tokens_per_step,
+                val_loss,
+                wire_bytes=caller.bytes_on_wire(),
+                microbatches=done,
+                failures=caller.failures,
+                **caller.counts(),
+            )
+            if on_step:
+                on_step(record)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        wire = caller.bytes_on_wire()
+        caller.close()
+    tokens = max(progress.tokens, 1)
+    progress.close(
+        codec=run.wire.codec,
+        **{
+            "wire bytes": f"{wire:,} ({wire / tokens:,.0f} per token)",
+            "microbatches": f"{done:,}",
+            "failed calls retried": caller.failures,
+            **{k.replace("_", " "): v for k, v in caller.counts().items()},
+        },
+    )
+    return progress.records

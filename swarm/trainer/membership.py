@@ -1,0 +1,151 @@
+"""Who serves each stage of a swarm, as a trainer sees it: read from the DHT every few seconds.
+
+Every `refresh_s` the trainer reads each stage's online peers from the DHT and hands them to that
+stage's `Router` (swarm/routing.py), with their addresses. Peers the operator removed, and peers
+this trainer's spot checks banned, are left out. When a stage looks empty, the trainer pings the DHT
+nodes it knew (the coordinator's, the peers' last announced ones), in case it is the trainer that
+lost touch with the DHT (`records.Reconnector`). The operator's word comes through the DHT too:
+while the run is paused no new global step starts. The trainer announces its own record (steps,
+loss, tokens/s, failed calls, bans, bytes on the wire, spot checks) in the same rounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import hivemind
+
+from swarm.config import RunConfig
+from swarm.records import (
+    REFRESH_S,
+    ControlState,
+    Reconnector,
+    TrainerRecord,
+    announce_trainer,
+    maddr_peer_ids,
+    read_control,
+    read_removed,
+    read_swarm,
+    shutdown_dht,
+)
+from swarm.routing import Router
+from swarm.trainer.caller import event
+from swarm.verify import SpotChecks
+
+
+class Membership:
+    """The stages' routers and peer addresses, the operator's control state and this trainer's record;
+    refreshed from the DHT in a background thread until `close`."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        dht: hivemind.DHT,
+        initial_peers: list[str],
+        spot: SpotChecks,
+        refresh_s: float = 2.0,
+    ):
+        """`dht`: a client node of the run's DHT, joined through the coordinator at `initial_peers`
+        (swarm.join.join_dht), whose word on pauses and removals counts; `spot`: this trainer's spot
+        checks, whose banned peers get no calls until their ban ends."""
+        self.run, self.dht, self.spot = run, dht, spot
+        self.num_stages = run.stages.count
+        self.trainer_id = uuid.uuid4().hex[:12]
+        self.record = TrainerRecord(trainer_id=self.trainer_id, public_name=f"trainer-{self.trainer_id[:6]}")
+        self.coordinators = maddr_peer_ids(initial_peers)
+        self.reconnector = Reconnector(dht, initial_peers)
+        self._routers = [Router() for _ in range(self.num_stages)]
+        self._addresses: list[dict[str, str]] = [{} for _ in range(self.num_stages)]
+        self._control = ControlState()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.refresh()
+        self._refresher = threading.Thread(target=self._refresh_loop, args=(refresh_s,), daemon=True)
+        self._refresher.start()
+
+    def refresh(self) -> None:
+        for peer in self.spot.release():
+            event(f"spot check: the ban of peer {peer} ended; its calls are checked until it passes again")
+        view = read_swarm(self.dht, self.run.run_id, self.num_stages)
+        if self.reconnector.check(view):  # a stage looks empty: maybe this node lost touch with the DHT
+            view = read_swarm(self.dht, self.run.run_id, self.num_stages)
+        removed = read_removed(self.dht, self.run.run_id, self.coordinators)  # by the operator: they are leaving
+        control = read_control(self.dht, self.run.run_id, self.coordinators)
+        now = time.monotonic()
+        with self._lock:
+            self._control = control
+            for k in range(self.num_stages):
+                online = [p for p in view.online(k) if p.peer_id not in removed and p.peer_id not in self.spot.banned]
+                self._routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
+                self._addresses[k] = {p.peer_id: p.address for p in online}
+
+    @contextlib.contextmanager
+    def stage(self, stage: int) -> Iterator[tuple[Router, dict[str, str]]]:
+        """The router of `stage` and its peers' addresses (peer id -> HOST:PORT), held for the caller
+        alone until the block ends (the microbatch threads and the refresh share them)."""
+        with self._lock:
+            yield self._routers[stage], self._addresses[stage]
+
+    def live(self, stage: int) -> list[str]:
+        """The peers of `stage` that are routed to and not banned now."""
+        with self.stage(stage) as (router, addresses):
+            now = time.monotonic()
+            return [p for p in addresses if not router.is_banned(p, now)]
+
+    def drop(self, stage: int, peer: str) -> None:
+        """Route no more calls to `peer` (the refresh leaves it out too while the spot checks ban it)."""
+        with self.stage(stage) as (router, addresses):
+            router.remove(peer)
+            addresses.pop(peer, None)
+
+    def paused(self) -> bool:
+        with self._lock:
+            return self._control.paused
+
+    def swarm_step(self) -> int:
+        """The global step the stages are at: where a joining trainer starts."""
+        view = read_swarm(self.dht, self.run.run_id, self.num_stages)
+        steps = [max(p.optimizer_steps for p in view.online(k)) for k in range(self.num_stages) if view.online(k)]
+        return min(steps, default=0)
+
+    def report(self, record: dict, bans: int) -> None:
+        """This trainer's numbers after a step (its `--log-json` record, and the failing peers its
+        calls banned), announced with the next refresh."""
+        self.record = self.record.model_copy(
+            update={
+                "samples": record["microbatches"] * self.run.training.micro_batch,
+                "steps": record["step"] + 1,
+                "loss": record["loss"],
+                "val_loss": record.get("val_loss", self.record.val_loss),
+                "tokens_per_s": record["tokens_per_s"],
+                "failures": record["failures"],
+                "bans": bans,
+                "wire_bytes": record["wire_bytes"],
+                "spot_checks": self.spot.checks,
+                "spot_disagreements": self.spot.disagreements,
+                "spot_bans": self.spot.bans,
+                "spot_banned": dict(self.spot.banned),
+            }
+        )
+
+    def _refresh_loop(self, period: float) -> None:
+        last_announce = 0.0
+        while not self._stop.wait(period):
+            try:
+                self.refresh()
+                if time.monotonic() - last_announce >= REFRESH_S:
+                    announce_trainer(self.dht, self.run.run_id, self.record)
+                    last_announce = time.monotonic()
+            except Exception as err:  # a DHT hiccup must not end training; the next round retries
+                event(f"DHT read failed: {err!r}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._refresher.join(timeout=5)
+        # The last step's numbers, for the coordinator to show until the record expires.
+        announce_trainer(self.dht, self.run.run_id, self.record, timeout=2)
+        shutdown_dht(self.dht)

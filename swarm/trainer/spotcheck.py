@@ -1,0 +1,105 @@
+"""Spot checks of forward calls, as a caller that wraps the swarm's (the policy: swarm/verify.py).
+
+A checked training forward is also sent to a second peer of the stage as an evaluation forward;
+when the two answers disagree a third peer arbitrates, and a peer outvoted `strikes` times is
+dropped from the routing until its ban ends. Every other call passes through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from swarm.client import StageClient
+from swarm.rpc import pb
+from swarm.trainer.caller import ForwardSend, T, event
+from swarm.trainer.membership import Membership
+from swarm.verify import SpotChecks, tolerance
+from swarm.wire import decode
+
+if TYPE_CHECKING:  # swarm.py builds a SpotCheckCaller around its SwarmCaller
+    from swarm.trainer.swarm import SwarmCaller
+
+
+class SpotCheckCaller:
+    """A `StageCaller`: the calls of `inner`, with a share of its forward calls checked by `spot`;
+    peers it bans are dropped from `members`."""
+
+    def __init__(self, inner: SwarmCaller, members: Membership, spot: SpotChecks):
+        self.inner, self.members, self.spot = inner, members, spot
+        self.run, self.trace = inner.run, inner.trace
+
+    @property
+    def failures(self) -> int:
+        return self.inner.failures
+
+    def call(
+        self, stage: int, samples: int, fn: Callable[[StageClient], T], prefer: str | None = None
+    ) -> tuple[T, str]:
+        return self.inner.call(stage, samples, fn, prefer=prefer)
+
+    def forward(
+        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend
+    ) -> tuple[pb.ForwardResponse, str]:
+        peers = self.members.live(stage)
+        if not train or not self.spot.due(stage, name, peers):
+            return self.inner.forward(stage, samples, name, train, send)
+        call = self.inner.call
+        # The check goes first, as an evaluation forward (no gradient): on the last stage the
+        # training forward completes the microbatch's gradient, the stage may step right after it,
+        # and an evaluation sent then could see the next step's weights.
+        check, checker = call(
+            stage, samples, lambda c: send(c, False), prefer=self.spot.checker(stage, peers), timed=False
+        )
+        out, peer = call(stage, samples, lambda c: send(c, True), avoid={checker})
+        if peer == checker:  # no other peer could answer: nothing to compare
+            return out, peer
+        last = stage == self.run.stages.count - 1
+        rtol = self.run.verify.rtol or tolerance(self.run.wire.codec, self.run.model.dtype, encoded=not last)
+
+        def arbiter() -> tuple[str, torch.Tensor] | None:
+            others = [p for p in peers if p not in (peer, checker) and p not in self.spot.banned]
+            if not others:
+                return None
+            third, who = call(
+                stage,
+                samples,
+                lambda c: send(c, False),
+                prefer=self.spot.checker(stage, others),
+                avoid={peer, checker},
+                timed=False,
+            )
+            return (who, _answer(third, last)) if who not in (peer, checker) else None
+
+        answers = [(peer, _answer(out, last)), (checker, _answer(check, last))]
+        verdict = self.spot.judge(stage, answers, rtol, arbiter)
+        if verdict.banned:
+            self.members.drop(stage, verdict.odd)
+            event(f"spot check: banned peer {verdict.odd} of stage {stage} at microbatch {name}")
+        if verdict.odd == peer and not last:
+            return check, checker  # pass the agreed hidden states on, not the outvoted ones
+        return out, peer
+
+    def paused(self) -> bool:
+        return self.inner.paused()
+
+    def bytes_on_wire(self) -> int:
+        return self.inner.bytes_on_wire()
+
+    def counts(self) -> dict:
+        return {
+            **self.inner.counts(),
+            "spot_checks": self.spot.checks,
+            "spot_disagreements": self.spot.disagreements,
+            "spot_bans": self.spot.bans,
+        }
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _answer(response: pb.ForwardResponse, last: bool) -> torch.Tensor:
+    """What a check compares: the hidden states, or on the last stage the microbatch's loss."""
+    return torch.tensor([response.loss]) if last else decode(response.output, "output")

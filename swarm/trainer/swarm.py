@@ -1,0 +1,202 @@
+"""`swarm train --coordinator URL`: training through the swarm, found in the DHT.
+
+Each call goes to the peer its stage's router (swarm/routing.py) expects to finish it first; a call
+that fails or times out is retried on another peer of the same stage, and the failing peer is
+banned with an exponential back-off until it answers again. When a stage has no live peer, the
+trainer waits and says so on its progress line. Who serves each stage, the operator's word (pause,
+removals) and this trainer's own record come from `Membership` (swarm/trainer/membership.py); spot
+checks wrap the forward calls (swarm/trainer/spotcheck.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection
+
+import grpc
+
+from swarm.client import StageClient, deadline
+from swarm.config import RunConfig
+from swarm.join import join_dht
+from swarm.progress import RunLog
+from swarm.rpc import pb
+from swarm.trainer.caller import ForwardSend, T, event
+from swarm.trainer.loop import run_training
+from swarm.trainer.membership import Membership
+from swarm.trainer.options import TrainerOptions
+from swarm.trainer.spotcheck import SpotCheckCaller
+from swarm.verify import SpotChecks
+
+# Codes that say "this request is wrong", not "this peer is unwell": retrying elsewhere won't help.
+REQUEST_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED}
+
+# The shortest deadline a call gets, however fast its peer answered lately (Router.deadline; the longest
+# is --call-timeout), on top of the longest a stage may hold a call while it takes its optimizer step
+# (`step_hold_s`).
+MIN_CALL_TIMEOUT_S = 1.0
+
+
+def step_hold_s(run: RunConfig) -> float:
+    """How long a healthy stage may hold a call while it steps: it looks for its replicas (matchmaking),
+    then waits for the other stages' gradient norms. A deadline shorter than that cuts off calls of a
+    live peer mid-step; each is then computed twice, and the microbatches of one step end up split
+    between replicas that no longer meet to average them."""
+    return run.averaging.matchmaking_time_s + run.averaging.sync_timeout_s
+
+
+# A stage with no live peer is looked at again every WAIT_S. When each live peer of a stage failed once
+# within one call, they are asked again at once, then after RETRY_PAUSE_S, 2 x RETRY_PAUSE_S ... up to
+# WAIT_S, so that a peer listed in the DHT but gone (its record lives out its TTL) is not hammered.
+WAIT_S = 0.5
+RETRY_PAUSE_S = 0.05
+
+
+class SwarmCaller:
+    """A `StageCaller` over the peers `members` lists: routed, retried elsewhere, failing peers banned."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        members: Membership,
+        note: Callable[[str], None],
+        call_timeout: float = 60.0,
+        join_token: str | None = None,
+    ):
+        """`note`: a status line next to the progress bar; `call_timeout`: the longest deadline of a
+        call; `join_token`: the run's join token, sent with every call."""
+        self.run, self.members, self.note = run, members, note
+        self.trace = members.trainer_id
+        self.join_token = join_token
+        self.call_timeout = call_timeout
+        self.min_deadline = min(call_timeout, step_hold_s(run) + MIN_CALL_TIMEOUT_S)
+        self.clients: dict[str, StageClient] = {}
+        self._clients_lock = threading.Lock()
+        self.failures = 0
+        self.bans = 0  # failing peers banned (a peer that already left the routing is not banned)
+
+    def client(self, address: str) -> StageClient:
+        with self._clients_lock:
+            if address not in self.clients:
+                self.clients[address] = StageClient(
+                    address, self.run, timeout=self.call_timeout, join_token=self.join_token
+                )
+            return self.clients[address]
+
+    def call(
+        self,
+        stage: int,
+        samples: int,
+        fn: Callable[[StageClient], T],
+        prefer: str | None = None,
+        avoid: Collection[str] = (),
+        timed: bool = True,
+    ) -> tuple[T, str]:
+        """`prefer`: try this peer first; `avoid`: these peers only when no other one is usable; `timed`:
+        the call's time tells the peer's training speed (False for a spot check's evaluation forward)."""
+        tried: set[str] = set()
+        waited, rounds = False, 0
+        while True:
+            with self.members.stage(stage) as (router, addresses):
+                now = time.monotonic()
+                peer = None
+                if prefer and prefer not in tried and prefer in addresses:
+                    others = set(router.peers) - {prefer}
+                    peer = router.pick(samples, now, exclude=others)
+                if peer is None and avoid:
+                    peer = router.pick(samples, now, exclude=tried | set(avoid))
+                if peer is None:
+                    peer = router.pick(samples, now, exclude=tried)
+                if peer is None:  # every live peer not tried yet is banned: ask the first to come back
+                    peer = router.pick(samples, now, exclude=tried, banned_ok=True)
+                address = addresses.get(peer) if peer else None
+                timeout = router.deadline(peer, self.min_deadline, self.call_timeout) if peer else 0.0
+            if peer is None or address is None:
+                if tried:  # every live peer failed once in this call: go round them again, at once at first
+                    time.sleep(min(RETRY_PAUSE_S * rounds, WAIT_S))
+                    tried.clear()
+                    rounds += 1
+                    continue
+                self.note(f"waiting for a peer of stage {stage}")
+                waited = True
+                time.sleep(WAIT_S)
+                continue
+            if waited:
+                self.note("train")
+                waited = False
+            start = time.monotonic()
+            try:
+                with deadline(timeout):
+                    response = fn(self.client(address))
+            except grpc.RpcError as err:
+                if err.code() in REQUEST_FAULTS:
+                    raise
+                with self.members.stage(stage) as (router, _):
+                    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        router.answered(peer, timeout)  # slower than thought: give it longer next time
+                    ban = router.failed(peer, samples, time.monotonic(), started=start)
+                    self.failures += 1  # under the membership's lock, which every stage shares
+                    if ban > 0:
+                        self.bans += 1
+                event(f"stage {stage} peer {peer[-8:]} failed ({err.code().name}); banned {ban:.0f} s")
+                tried.add(peer)
+                continue
+            took = time.monotonic() - start
+            elapsed = took - getattr(response, "queue_s", 0.0)
+            with self.members.stage(stage) as (router, _):
+                router.answered(peer, took)
+                if timed:
+                    router.done(peer, samples, elapsed, time.monotonic())
+                else:
+                    router.returned(peer, samples, time.monotonic())
+            return response, peer
+
+    def forward(
+        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend
+    ) -> tuple[pb.ForwardResponse, str]:
+        return self.call(stage, samples, lambda c: send(c, train))
+
+    def paused(self) -> bool:
+        return self.members.paused()
+
+    def bytes_on_wire(self) -> int:
+        with self._clients_lock:
+            return sum(c.bytes_sent + c.bytes_received for c in self.clients.values())
+
+    def counts(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        with self._clients_lock:
+            clients = list(self.clients.values())
+        for c in clients:
+            c.close()
+
+
+def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
+    """Train through the swarm of the run at `coordinator`; the per-step records. `opts.data`: text
+    files to train on instead of the run's own data section (the run's model, schedule and batches
+    stay the coordinator's); `opts.verify_fraction`: the share of forward calls spot-checked, instead
+    of the run's `verify.fraction`."""
+    run, initial_peers, dht = join_dht(coordinator, opts.join_token, opts.join_wait, client_mode=True)
+    if opts.data:
+        run = run.with_data(opts.data)
+    if opts.verify_fraction is not None:
+        run = run.model_copy(update={"verify": run.verify.model_copy(update={"fraction": opts.verify_fraction})})
+    v = run.verify
+    spot = SpotChecks(run.stages.count, v.fraction, v.strikes, v.first_checks, run.training.seed, v.ban_s)
+    members = Membership(run, dht, initial_peers, spot)
+    try:
+        steps = opts.steps or run.training.steps
+        start = members.swarm_step()
+        desc = f"train ({run.stages.count} stages via {coordinator}, {opts.inflight} in flight)"
+        if start:
+            desc += f" from step {start}"
+        progress = RunLog(steps, opts.log_json, desc=desc)
+        calls = SwarmCaller(run, members, progress.note, opts.call_timeout, opts.join_token)
+        caller = SpotCheckCaller(calls, members, spot)
+        return run_training(
+            run, caller, progress, steps, opts.inflight, start=start, on_step=lambda r: members.report(r, calls.bans)
+        )
+    finally:
+        members.close()
