@@ -50,7 +50,18 @@ from hivemind.utils import get_dht_time
 from peer.checkpoint import Checkpoint
 from swarm.config import RunConfig
 from swarm.optim import make_optimizer, param_groups, primed
-from swarm.records import TTL_S, answering
+from swarm.records import (
+    TTL_S,
+    NormShare,
+    WeightsDigest,
+    answering,
+    averaging_prefix,
+    publish_digest,
+    publish_norm_share,
+    read_digests,
+    read_norm_shares,
+    state_holders_key,
+)
 from swarm.schedule import lr_at
 
 log = logging.getLogger("swarm.averaging")
@@ -185,22 +196,25 @@ def weights_digest(module: torch.nn.Module, sample: int = 65536) -> str:
 class ReplicaCheck:
     """After every step each replica publishes a digest of its weights; a replica whose digest is
     not the one most replicas hold (ties: the one whose holder has the smallest peer id) has diverged.
+    Only the digests of the stage's members count (`swarm.records.read_digests`): a DHT node that
+    serves no stage cannot outvote the replicas and make them reload the stage's state every step.
 
     hivemind reports an all-reduce that lost some parts ("received 88% of results") only in its log,
     and the round still counts as a success; the replicas then differ in those parts."""
 
     WAIT_S = 5.0  # how long after its step a replica keeps looking for the others' digests
 
-    def __init__(self, dht: hivemind.DHT, key: str, me: str):
-        self.dht, self.key, self.me = dht, key, me
+    def __init__(self, dht: hivemind.DHT, run_id: str, stage: int):
+        self.dht, self.run_id, self.stage = dht, run_id, stage
+        self.me = dht.peer_id.to_base58()
         self.mine: tuple[int, str] | None = None
         self.settled = True  # nothing to check until the first step
         self.published_at = self.next_check = 0.0
 
     def publish(self, step: int, digest: str) -> None:
         self.mine = (step, digest)
-        expires = get_dht_time() + TTL_S
-        self.dht.store(self.key, subkey=self.me, value=[step, digest], expiration_time=expires, return_future=True)
+        record = WeightsDigest(peer_id=self.me, stage=self.stage, step=step, digest=digest)
+        publish_digest(self.dht, self.run_id, record)
         self.published_at = time.monotonic()
         self.next_check = self.published_at + 0.2
         self.settled = False
@@ -211,13 +225,7 @@ class ReplicaCheck:
         if self.settled or self.mine is None or time.monotonic() < self.next_check:
             return False
         self.next_check = time.monotonic() + 0.5
-        found = self.dht.get(self.key, latest=True)
-        digests = {}
-        if found is not None and isinstance(found.value, dict):
-            for peer, item in found.value.items():
-                value = item.value
-                if isinstance(value, list) and len(value) == 2 and value[0] == self.mine[0]:
-                    digests[str(peer)] = str(value[1])
+        digests = read_digests(self.dht, self.run_id, self.stage, self.mine[0])
         if len(digests) >= expected or time.monotonic() - self.published_at > self.WAIT_S:
             self.settled = True
         if len(digests) < 2:
@@ -231,43 +239,34 @@ class NormExchange:
     """The gradient norm over the whole model, from every stage's share, through the DHT.
 
     The reference trainer clips the norm of all parameters together; a stage sees only its own. At
-    each step every replica of stage k stores its averaged gradient's squared norm under
-    `{run}_gradnorm_{step}` (subkey k; the replicas of a stage store the same number) and waits for
-    the other stages' shares, at most `timeout` seconds; then it falls back to its own norm."""
+    each step every replica of stage k publishes its averaged gradient's squared norm (the replicas
+    of a stage publish the same number; `swarm.records.read_norm_shares` takes the median of a
+    stage's members' shares, and nobody else's) and waits for the other stages' shares, at most
+    `timeout` seconds; then it falls back to its own norm."""
 
     SKIPPED_SHARES = 8  # a stage that skips steps publishes a share of 0 for at most this many of them
 
     def __init__(self, dht: hivemind.DHT, run_id: str, stages: int, stage: int, timeout: float, note=print):
         self.dht, self.run_id, self.stages, self.stage = dht, run_id, stages, stage
         self.timeout, self.note = timeout, note
+        self.me = dht.peer_id.to_base58()
         self.step = 0  # the global step being taken, set by the updater before each step
-
-    def key(self, step: int) -> str:
-        return f"{self.run_id}_gradnorm_{step}".replace(".", "_")
 
     def publish(self, step: int, squared: float) -> None:
         """This stage's share of global step `step` (0.0 for a step it skipped)."""
         if self.stages > 1:
-            self.dht.store(self.key(step), subkey=self.stage, value=squared, expiration_time=get_dht_time() + 120)
+            share = NormShare(peer_id=self.me, stage=self.stage, step=step, squared=squared)
+            publish_norm_share(self.dht, self.run_id, share)
 
     def __call__(self, squared: float) -> float:
         if self.stages == 1:
             return math.sqrt(squared)
-        key = self.key(self.step)
         self.publish(self.step, squared)
         deadline = time.monotonic() + self.timeout
         while True:
-            found = self.dht.get(key, latest=True)
-            shares = {}
-            if found is not None and isinstance(found.value, dict):
-                # A share that is not a finite non-negative number is nobody's honest norm.
-                shares = {
-                    k: v.value
-                    for k, v in found.value.items()
-                    if isinstance(v.value, float) and math.isfinite(v.value) and v.value >= 0
-                }
-            if len(shares) >= self.stages and all(k in shares for k in range(self.stages)):
-                return math.sqrt(sum(shares[k] for k in range(self.stages)))
+            shares = read_norm_shares(self.dht, self.run_id, self.step, self.stages)
+            if len(shares) == self.stages:
+                return math.sqrt(sum(shares.values()))
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.stages)) - set(shares))
                 self.note(f"stage {self.stage} step {self.step}: no gradient norm from stage(s) {missing}; own norm")
@@ -321,7 +320,7 @@ class SwarmUpdater:
     def __init__(self, run: RunConfig, stage: int, module: torch.nn.Module, dht: hivemind.DHT, note=print):
         self.run, self.stage, self.module, self.note = run, stage, module, note
         t, a = run.training, run.averaging
-        self.prefix = f"{run.run_id}_stage{stage}".replace(".", "_")  # hivemind forbids dots
+        self.prefix = averaging_prefix(run.run_id, stage)
         self.dropped = 0  # contributions left out of the average because they were not finite
         self.clipped = 0  # contributions clipped to `contribution_bound` before they were averaged
         self.contribution_bound = a.contribution_clip * t.grad_clip
@@ -329,7 +328,7 @@ class SwarmUpdater:
         self.missed = False  # the last all-reduce left this replica out
         self.failed_loads = 0  # loads in a row that brought nothing new while missed
         self.loaded_at: int | None = None  # the step of the last load of the stage's state
-        self.check = ReplicaCheck(dht, f"{self.prefix}_digests", dht.peer_id.to_base58())
+        self.check = ReplicaCheck(dht, run.run_id, stage)
         self.last_step: dict = {}
         groups = param_groups(module, t.weight_decay)
         self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s, note)
@@ -579,7 +578,7 @@ class SwarmUpdater:
 
     def _state_holders(self) -> set[bytes]:
         """Peers that offer this stage's state (hivemind's averagers announce themselves in the DHT)."""
-        found = self.opt.dht.get(f"{self.prefix}_state_averager.all_averagers", latest=True)
+        found = self.opt.dht.get(state_holders_key(self.prefix), latest=True)
         return set(found.value) if found is not None and isinstance(found.value, dict) else set()
 
     def close(self, timeout: float = 3.0) -> None:

@@ -9,6 +9,14 @@ every `CONTROL_REFRESH_S` with a time to live of `CONTROL_TTL_S`, so the pause o
 died lapses by itself and training goes on; and `{run_id}/removed` with subkey = the peer id of each
 peer the operator removed from the run.
 
+How a stage's replicas agree on a step, each replica its own record under a key per run: at global step
+`s`, `{run_id}/gradnorm/{s}` holds each replica's squared gradient norm of its stage (`NormShare`: the
+stages clip to one global norm), and `{run_id}/stage/{k}/digests` each replica of stage k's digest of
+its weights after its last step (`WeightsDigest`: a replica outvoted by the others has diverged). A
+share or a digest counts only when its signer has a record in the stage it speaks for (see below), so
+a DHT member that serves no stage cannot forge either. hivemind's Optimizer keeps its own records
+under the stage's averaging prefix (`averaging_prefix`), checked by hivemind itself.
+
 Every record is signed by its writer. Its subkey is the id named above followed by the writer's
 public key as hivemind's RSASignatureValidator marks it (`[owner:ssh-rsa ...]`), and every DHT node
 of the run runs that validator: a node stores, and a reader takes, a record under such a subkey only
@@ -38,6 +46,7 @@ import ipaddress
 import logging
 import os
 import re
+import statistics
 import tempfile
 import time
 import weakref
@@ -66,6 +75,8 @@ TTL_S = 12.0  # a record not refreshed for this long expires (a killed peer is g
 CONTROL_REFRESH_S = 5.0  # how often the coordinator re-stores the control record
 CONTROL_TTL_S = 60.0  # a pause outlives its coordinator by at most this long
 REMOVED_TTL_S = 600.0  # a removed peer sees its removal at its next refresh; this is ample
+NORM_TTL_S = 120.0  # the stages read a step's norm shares within averaging.sync_timeout_s of it
+MAX_STEP = 2**31 - 1  # no honest step count comes near this (a trainer step per second: 68 years)
 
 PeerState = Literal["joining", "online", "leaving"]
 
@@ -128,6 +139,29 @@ class RemovedRecord(BaseModel):
     updated: float = 0.0
 
 
+class ReplicaReport(BaseModel):
+    """What one replica of a stage says about a global step."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    peer_id: str
+    stage: int = Field(ge=0)
+    step: int = Field(ge=0, le=MAX_STEP)
+    updated: float = 0.0
+
+
+class NormShare(ReplicaReport):
+    """The replica's squared gradient norm of its stage at the step (0.0 for a step it skipped)."""
+
+    squared: float = Field(ge=0, allow_inf_nan=False)  # a negative one would raise in math.sqrt
+
+
+class WeightsDigest(ReplicaReport):
+    """A fingerprint of the replica's weights after the step (peer/averaging.py: weights_digest)."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{1,128}$")
+
+
 def stage_key(run_id: str, stage: int) -> str:
     return f"{run_id}/stage/{stage}"
 
@@ -142,6 +176,26 @@ def control_key(run_id: str) -> str:
 
 def removed_key(run_id: str) -> str:
     return f"{run_id}/removed"
+
+
+def norm_key(run_id: str, step: int) -> str:
+    return f"{run_id}/gradnorm/{step}"
+
+
+def digest_key(run_id: str, stage: int) -> str:
+    return f"{stage_key(run_id, stage)}/digests"
+
+
+def averaging_prefix(run_id: str, stage: int) -> str:
+    """The run id of the stage's hivemind Optimizer: hivemind's own keys start with it, and it
+    forbids dots in them."""
+    return f"{run_id}_stage{stage}".replace(".", "_")
+
+
+def state_holders_key(prefix: str) -> str:
+    """hivemind's key under which the state averagers of the Optimizer with run id `prefix` offer the
+    stage's state (hivemind's DecentralizedAverager builds it so: there is no public name for it)."""
+    return f"{prefix}_state_averager.all_averagers"
 
 
 CONTROL_SUBKEY = "coordinator"  # one writer: whichever coordinator of the run stored last
@@ -274,7 +328,7 @@ def owned_subkey(dht: hivemind.DHT, name: str) -> str:
 
 def _store(dht: hivemind.DHT, key: str, name: str, value: dict, ttl: float, timeout: float | None) -> bool:
     """Store this node's record `name` (signed); with `timeout`, give up (False) when the DHT does not
-    confirm in time."""
+    confirm in time (0: hand it to the DHT and go on, unconfirmed)."""
     now = get_dht_time()
     subkey = owned_subkey(dht, name)
     future = dht.store(key, dict(value, updated=now), expiration_time=now + ttl, subkey=subkey, return_future=True)
@@ -306,6 +360,15 @@ def announce_removed(
     dht: hivemind.DHT, run_id: str, peer_id: str, ttl: float = REMOVED_TTL_S, timeout: float | None = None
 ) -> bool:
     return _store(dht, removed_key(run_id), peer_id, RemovedRecord(peer_id=peer_id).model_dump(), ttl, timeout)
+
+
+def publish_norm_share(dht: hivemind.DHT, run_id: str, share: NormShare, timeout: float | None = None) -> bool:
+    return _store(dht, norm_key(run_id, share.step), share.peer_id, share.model_dump(), NORM_TTL_S, timeout)
+
+
+def publish_digest(dht: hivemind.DHT, run_id: str, digest: WeightsDigest, timeout: float | None = 0) -> bool:
+    """By default without waiting for the DHT: a replica publishes one after every step."""
+    return _store(dht, digest_key(run_id, digest.stage), digest.peer_id, digest.model_dump(), TTL_S, timeout)
 
 
 def shutdown_dht(dht: hivemind.DHT) -> None:
@@ -380,6 +443,39 @@ def read_control(dht: hivemind.DHT, run_id: str, coordinators: set[str] | None =
 def read_removed(dht: hivemind.DHT, run_id: str, coordinators: set[str] | None = None) -> set[str]:
     """Peer ids the operator removed from the run (with `coordinators`: through one of those)."""
     return {r.peer_id for r in _read(dht, removed_key(run_id), RemovedRecord, lambda r: r.peer_id, coordinators)}
+
+
+def stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> set[str]:
+    """The peer ids with a record in `stage` now (in any state: a joining peer takes part in steps)."""
+    return {p.peer_id for p in read_stage(dht, run_id, stage)}
+
+
+def read_norm_shares(dht: hivemind.DHT, run_id: str, step: int, stages: int) -> dict[int, float]:
+    """Each stage's squared gradient norm at global `step` (see `stage_norms`), for the stages of
+    `range(stages)` whose members have published a share."""
+    shares = _read(dht, norm_key(run_id, step), NormShare, lambda r: r.peer_id, self_signed=True)
+    wanted = {r.stage for r in shares if r.step == step and r.stage < stages}
+    return stage_norms(shares, step, {k: stage_members(dht, run_id, k) for k in wanted})
+
+
+def stage_norms(shares: list[NormShare], step: int, members: dict[int, set[str]]) -> dict[int, float]:
+    """Each stage's squared norm at `step`: the median of the shares its `members` (peer ids by stage)
+    published. A share of anyone else is not the stage's word, and the median keeps one lying member
+    from setting it (the replicas of a stage average the same gradient, so honest ones agree)."""
+    by_stage: dict[int, list[float]] = {}
+    for share in shares:
+        if share.step == step and share.peer_id in members.get(share.stage, ()):
+            by_stage.setdefault(share.stage, []).append(share.squared)
+    return {stage: statistics.median(values) for stage, values in by_stage.items()}
+
+
+def read_digests(dht: hivemind.DHT, run_id: str, stage: int, step: int) -> dict[str, str]:
+    """The digests of the weights the replicas of `stage` hold after `step`, by peer id: only those
+    signed by a peer with a record in the stage now."""
+    digests = _read(dht, digest_key(run_id, stage), WeightsDigest, lambda r: r.peer_id, self_signed=True)
+    digests = [d for d in digests if d.stage == stage and d.step == step]
+    members = stage_members(dht, run_id, stage) if digests else set()
+    return {d.peer_id: d.digest for d in digests if d.peer_id in members}
 
 
 class SwarmView(BaseModel):

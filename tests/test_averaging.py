@@ -6,18 +6,34 @@ from __future__ import annotations
 
 import time
 
+import hivemind
 import pytest
 import torch
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from pydantic import ValidationError
 
 from benchmarks.rebalance import best_min_total, stage_totals
-from peer.averaging import ReplicaCheck, SwarmUpdater, clip_contribution, drop_grads, grads_finite
+from peer.averaging import NormExchange, ReplicaCheck, SwarmUpdater, clip_contribution, drop_grads, grads_finite
 from swarm.client import StageClient
-from swarm.config import load_config
+from swarm.config import RunConfig, load_config
 from swarm.data import TokenStream
 from swarm.model import Stage, build_stages, lm_loss
-from swarm.records import TTL_S, make_dht, shutdown_dht, visible_maddrs
+from swarm.records import (
+    TTL_S,
+    NormShare,
+    PeerRecord,
+    WeightsDigest,
+    announce_peer,
+    digest_key,
+    make_dht,
+    norm_key,
+    owned_subkey,
+    publish_digest,
+    shutdown_dht,
+    stage_norms,
+    visible_maddrs,
+)
 from swarm.wire import decode, encode
 from tests.processes import wait_for_state
 from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
@@ -131,38 +147,151 @@ def averaging_swarm(tmp_path):
     swarm.close()
 
 
-def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_per_step(tmp_path):
-    """Two real replicas of stage 1 with equal weights; a third DHT member publishes a majority digest
-    that neither holds. Replica a believes it diverged and loads the stage's state from b, which brings
-    nothing new; for the rest of the step it must not download the state again and again (the worker
-    asks `behind` before every request)."""
-    _, run = config_with(tmp_path, FAST_AVERAGING)
-    first = make_dht()
-    others = [make_dht(visible_maddrs(first), record_key=RSAPrivateKey()) for _ in range(2)]
-    notes: list[str] = []
-    a = SwarmUpdater(run, 1, Stage(run, 1), first, note=notes.append)
-    b = None
-    try:
-        a.load_state()  # what a starting peer does: alone, it keeps the seeded init and publishes its digest
-        b = SwarmUpdater(run, 1, Stage(run, 1), others[0])
-        b.load_state()  # b joins and takes a's state
-        liar = others[1]
-        for fake in ("0", "1", "2"):  # subkeys that sort before any real peer id
-            liar.store(a.check.key, subkey=fake, value=[0, "f" * 32], expiration_time=get_dht_time() + TTL_S)
-        loads, deadline = 0, time.monotonic() + ReplicaCheck.WAIT_S + 3.0
-        while time.monotonic() < deadline:
-            if a.behind(0):
-                a.load_state()
-                loads += 1
-            time.sleep(0.05)
-        assert any("differ from the other replicas" in n for n in notes), notes
-        assert loads == 1, f"{loads} loads of the stage's state within one step"
-    finally:
-        for replica in (a, b):
-            if replica is not None:
-                replica.close()
-        for dht in (first, *others):
+def test_a_stages_norm_is_the_median_of_its_members_shares_and_bad_values_are_dropped():
+    """The pure part of reading the norm shares: a share that is not a finite non-negative number at
+    a sane step does not parse (the reader skips it); a stage's norm is the median of its members'
+    shares at the step asked, so one lying member of three does not set it, and a share from outside
+    the stage, or of another step, is not counted."""
+    for bad in ({"squared": -1.0}, {"squared": float("nan")}, {"squared": float("inf")}, {"squared": "-inf"}):
+        with pytest.raises(ValidationError):
+            NormShare.model_validate({"peer_id": "p", "stage": 0, "step": 3, **bad})
+    for step in (-1, 2**40):
+        with pytest.raises(ValidationError):
+            NormShare(peer_id="p", stage=0, step=step, squared=1.0)
+    with pytest.raises(ValidationError):
+        WeightsDigest(peer_id="p", stage=0, step=0, digest="not hex")
+
+    def share(peer: str, stage: int, squared: float, step: int = 3) -> NormShare:
+        return NormShare(peer_id=peer, stage=stage, step=step, squared=squared)
+
+    shares = [
+        share("a0", 0, 4.0),
+        share("b0", 0, 4.0),
+        share("c0", 0, 1e30),  # a lying member: outvoted
+        share("a1", 1, 9.0),
+        share("b1", 1, 25.0),  # two disagreeing members: their median (the mean of two)
+        share("x", 1, 1e30),  # not a member of stage 1
+        share("a0", 1, 1e30),  # a member of stage 0 speaking for stage 1
+        share("a1", 1, 1e30, step=2),  # another step
+        share("x", 2, 1.0),  # a stage nobody serves
+    ]
+    members = {0: {"a0", "b0", "c0"}, 1: {"a1", "b1"}, 2: set()}
+    assert stage_norms(shares, 3, members) == {0: 4.0, 1: 17.0}
+    assert stage_norms(shares, 2, members) == {1: 1e30}
+    assert stage_norms(shares, 3, {}) == {}
+
+
+class StageOne:
+    """Real replicas of stage 1 and other DHT nodes, each node with a key of its own (a signer of its
+    own) and joined to the first; all closed at the end, the replicas first."""
+
+    def __init__(self, run: RunConfig):
+        self.run = run
+        self.nodes: list[hivemind.DHT] = []
+        self.replicas: list[SwarmUpdater] = []
+
+    def node(self, stage: int | None = None) -> hivemind.DHT:
+        """A new DHT node; with `stage`, a member of it: it has a record there for the whole test,
+        as a peer serving the stage announces."""
+        dht = make_dht(visible_maddrs(self.nodes[0]), record_key=RSAPrivateKey()) if self.nodes else make_dht()
+        self.nodes.append(dht)
+        if stage is not None:
+            record = PeerRecord(peer_id=dht.peer_id.to_base58(), stage=stage, address="127.0.0.1:1", state="online")
+            assert announce_peer(dht, self.run.run_id, record, ttl=600, timeout=30)
+        return dht
+
+    def replica(self, dht: hivemind.DHT, **kwargs) -> SwarmUpdater:
+        """A replica of stage 1 on `dht`, started as a peer starts one: it takes the stage's state."""
+        replica = SwarmUpdater(self.run, 1, Stage(self.run, 1), dht, **kwargs)
+        self.replicas.append(replica)
+        replica.load_state()  # alone it keeps the seeded init; either way it publishes its digest
+        return replica
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+        for dht in self.nodes:
             shutdown_dht(dht)
+
+
+@pytest.fixture
+def stage_one(tmp_path):
+    _, run = config_with(tmp_path, FAST_AVERAGING)
+    stage = StageOne(run)
+    yield stage
+    stage.close()
+
+
+def loads_within_a_step(replica: SwarmUpdater) -> int:
+    """How often `replica` loads the stage's state while it looks for the others' digests of its step,
+    asked as the worker asks before every request."""
+    loads, deadline = 0, time.monotonic() + ReplicaCheck.WAIT_S + 3.0
+    while time.monotonic() < deadline:
+        if replica.behind(0):
+            replica.load_state()
+            loads += 1
+        time.sleep(0.05)
+    return loads
+
+
+def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_per_step(stage_one):
+    """Two real replicas of stage 1 with equal weights; three other members of the stage (with a
+    record in it, each signed by its own key) publish a majority digest that neither holds. Replica a
+    believes it diverged and loads the stage's state from b, which brings nothing new; for the rest of
+    the step it must not download the state again and again (the worker asks `behind` before every
+    request)."""
+    run, notes = stage_one.run, []
+    a = stage_one.replica(stage_one.node(stage=1), note=notes.append)
+    stage_one.replica(stage_one.node(stage=1))  # b joins and takes a's state
+    for liar in [stage_one.node(stage=1) for _ in range(3)]:
+        lie = WeightsDigest(peer_id=liar.peer_id.to_base58(), stage=1, step=0, digest="f" * 32)
+        assert publish_digest(liar, run.run_id, lie, timeout=30)
+    loads = loads_within_a_step(a)
+    assert any("differ from the other replicas" in n for n in notes), notes
+    assert loads == 1, f"{loads} loads of the stage's state within one step"
+
+
+def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority_digest(stage_one):
+    """Two real replicas of stage 1 with equal weights (a, b), a member of stage 0, and three DHT nodes
+    that serve no stage. The three publish, signed with their own keys, a digest of step 0 that
+    neither replica holds (three against two) and huge and negative norm shares for both stages, one
+    in the name of stage 0's member; and, unsigned, more of each. None of it counts: replica a does not
+    reload the stage's state, and the global norm is the honest one, from the members' shares."""
+    run, notes = stage_one.run, []
+    a = stage_one.replica(stage_one.node(stage=1), note=notes.append)
+    stage_one.replica(stage_one.node(stage=1))  # b
+    stage0 = stage_one.node(stage=0)
+    attackers = [stage_one.node() for _ in range(3)]
+
+    expires = get_dht_time() + TTL_S
+    digests, norms = digest_key(run.run_id, 1), norm_key(run.run_id, 0)
+    huge, victim = 1e30, stage0.peer_id.to_base58()
+    forged_shares = [(0, huge), (0, -9.0), (1, huge)]  # (stage, squared) of each attacker's own share
+    for attacker, (stage, squared) in zip(attackers, forged_shares, strict=True):
+        me = attacker.peer_id.to_base58()
+        lie = WeightsDigest(peer_id=me, stage=1, step=0, digest="f" * 32)
+        assert publish_digest(attacker, run.run_id, lie, timeout=30)
+        share = {"peer_id": me, "stage": stage, "step": 0, "squared": squared}  # as a modified client writes it
+        assert attacker.store(norms, share, expires, subkey=owned_subkey(attacker, me))
+    forger = attackers[0]
+    in_victims_name = {"peer_id": victim, "stage": 0, "step": 0, "squared": huge}
+    assert forger.store(norms, in_victims_name, expires, subkey=owned_subkey(forger, victim))
+    # Unsigned: subkeys without an owner, in the old key schema's form (the stage as the subkey;
+    # hivemind compares the subkeys of equal expiration times, and an int beside strings raises)
+    # and in the records' form.
+    assert forger.store(norms, huge, expires + 1, subkey=0)
+    assert forger.store(norms, dict(in_victims_name, peer_id="0"), expires, subkey="0")
+    for fake in ("0", "1", "2"):
+        unsigned = {"peer_id": fake, "stage": 1, "step": 0, "digest": "f" * 32}
+        assert forger.store(digests, unsigned, expires, subkey=fake)
+
+    assert loads_within_a_step(a) == 0
+    assert not any("differ from the other replicas" in n for n in notes), notes
+
+    NormExchange(stage0, run.run_id, run.stages.count, 0, timeout=30).publish(0, 9.0)
+    a.norms.step = 0
+    assert a.norms(16.0) == pytest.approx(5.0)  # sqrt(9 + 16): stage 0's share and its own
+    assert not any("no gradient norm" in n for n in notes), notes
 
 
 def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averaging_swarm):
