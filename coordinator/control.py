@@ -21,7 +21,7 @@ import hivemind
 
 from swarm.records import CONTROL_REFRESH_S, ControlState, PeerRecord, announce_control, announce_removed
 
-log = logging.getLogger("coordinator.control")
+log = logging.getLogger(__name__)
 
 # Told of every operator action: its text, and the peer it was about (None for pause and resume).
 ControlHook = Callable[[str, PeerRecord | None], None]

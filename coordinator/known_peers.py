@@ -14,7 +14,7 @@ from pathlib import Path
 
 from swarm.records import SwarmView
 
-log = logging.getLogger("coordinator.known_peers")
+log = logging.getLogger(__name__)
 
 
 class KnownPeers:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -34,7 +33,7 @@ from swarm.config import ConfigError, RunConfig
 from swarm.ready import CoordinatorReady, write_ready
 from swarm.records import make_dht, shutdown_dht, visible_maddrs
 
-log = logging.getLogger("coordinator")
+log = logging.getLogger(__name__)
 
 READ_EVERY_S = 1.0
 STATUS_EVERY_S = 30.0
@@ -71,7 +70,7 @@ def start_dht(
         try:
             return make_dht(initial, host, dht_port, identity_path=identity, announce_host=announce_host)
         except P2PDaemonError as err:  # all of them gone: this is a new swarm, or a new start of it
-            print(f"coordinator: none of the {len(initial)} saved peers answers ({err}); starting afresh", flush=True)
+            log.warning(f"coordinator: none of the {len(initial)} saved peers answers ({err}); starting afresh")
     return make_dht(None, host, dht_port, identity_path=identity, announce_host=announce_host)
 
 
@@ -144,24 +143,24 @@ def serve_coordinator(
         if stop.is_set():
             return 0
         if not server.started:
-            print(f"error: the coordinator could not serve HTTP on {host}:{port}", file=sys.stderr, flush=True)
+            log.error(f"the coordinator could not serve HTTP on {host}:{port}")
             code = 1
             return code
 
         bound = _bound_port(server, port)
         url = f"http://{host}:{bound}"
-        print(f"coordinator of run {run.run_id!r} at {url} (DHT {maddrs[0] if maddrs else '?'})", flush=True)
+        log.info(f"coordinator of run {run.run_id!r} at {url} (DHT {maddrs[0] if maddrs else '?'})")
         if ready_file is not None:
             write_ready(ready_file, CoordinatorReady(run_id=run.run_id, url=url, http_port=bound, dht_maddrs=maddrs))
         next_status = time.monotonic() + STATUS_EVERY_S
         while not stop.wait(min(1.0, max(0.0, next_status - time.monotonic()))):
             if not server_thread.is_alive():
-                print("error: the HTTP server stopped unexpectedly", file=sys.stderr, flush=True)
+                log.error("the HTTP server stopped unexpectedly")
                 code = 1
                 break
             known.update(holder.get())
             if time.monotonic() >= next_status:
-                print(_status(run, holder), file=sys.stderr, flush=True)
+                log.info(_status(run, holder))
                 next_status = time.monotonic() + STATUS_EVERY_S
         return code
     finally:
@@ -178,4 +177,4 @@ def serve_coordinator(
         shutdown_dht(dht)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        print(f"coordinator of run {run.run_id!r}: stopped", flush=True)
+        log.info(f"coordinator of run {run.run_id!r}: stopped")

@@ -17,7 +17,7 @@ import hivemind
 
 from swarm.records import ControlState, SwarmView, read_control, read_swarm
 
-log = logging.getLogger("coordinator.view")
+log = logging.getLogger(__name__)
 
 # Told of every new view, with the one it replaces; runs on the reader thread.
 ViewListener = Callable[[SwarmView, SwarmView], None]

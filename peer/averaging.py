@@ -246,9 +246,9 @@ class NormExchange:
 
     SKIPPED_SHARES = 8  # a stage that skips steps publishes a share of 0 for at most this many of them
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, stages: int, stage: int, timeout: float, note=print):
+    def __init__(self, dht: hivemind.DHT, run_id: str, stages: int, stage: int, timeout: float):
         self.dht, self.run_id, self.stages, self.stage = dht, run_id, stages, stage
-        self.timeout, self.note = timeout, note
+        self.timeout = timeout
         self.me = dht.peer_id.to_base58()
         self.step = 0  # the global step being taken, set by the updater before each step
 
@@ -269,7 +269,7 @@ class NormExchange:
                 return math.sqrt(sum(shares.values()))
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.stages)) - set(shares))
-                self.note(f"stage {self.stage} step {self.step}: no gradient norm from stage(s) {missing}; own norm")
+                log.warning(f"stage {self.stage} step {self.step}: no gradient norm from stage(s) {missing}; own norm")
                 return math.sqrt(squared)
             time.sleep(0.02)
 
@@ -312,13 +312,54 @@ class PartnerWatch:
                     control.cancel()
 
 
+def tracked_partners(opt: hivemind.Optimizer) -> list[bytes]:
+    """The other replicas of the stage that hivemind's tracker lists (peer ids): those an all-reduce
+    would look for, the dead among them until their progress records expire."""
+    found = opt.dht.get(opt.tracker.training_progress_key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    me, partners = opt.dht.peer_id.to_bytes(), []
+    for item in found.value.values():
+        report = getattr(item, "value", None)
+        if isinstance(report, dict) and not report.get("client_mode"):
+            peer = report.get("peer_id")
+            if isinstance(peer, bytes) and peer != me:
+                partners.append(peer)
+    return partners
+
+
+def group_size(opt: hivemind.Optimizer, previous) -> int:
+    """How many peers the all-reduce of the step just taken included (1: it averaged alone);
+    `previous`: the optimizer's scheduled round before the step."""
+    control = opt.scheduled_grads
+    if control is None or control is previous or not control.done():
+        return 1
+    if control.cancelled() or control.exception() is not None:  # exception() raises on a cancelled one
+        return 1
+    return len(control.result())
+
+
+def set_epoch(opt: hivemind.Optimizer, step: int) -> None:
+    """Make `step` this replica's step without an all-reduce (the learning rate follows), tell the
+    stage's tracker, and offer this replica's state with that priority: what hivemind's
+    TrainingStateAverager.load_state_from_peers does after a download, through its private helpers
+    (hivemind has no public way to move the epoch without a step)."""
+    averager = opt.state_averager
+    with averager.lock_averaged_tensors:
+        averager.local_epoch = step
+        averager._update_scheduler()
+    opt.grad_averager.reset_accumulated_grads_()
+    opt.tracker.report_local_progress(step, 0)
+    averager.state_sharing_priority = opt.grad_averager.state_sharing_priority = step
+
+
 class SwarmUpdater:
     """The peers of one stage average gradients to a global batch through hivemind.Optimizer."""
 
     MAX_FAILED_LOADS = 3
 
-    def __init__(self, run: RunConfig, stage: int, module: torch.nn.Module, dht: hivemind.DHT, note=print):
-        self.run, self.stage, self.module, self.note = run, stage, module, note
+    def __init__(self, run: RunConfig, stage: int, module: torch.nn.Module, dht: hivemind.DHT):
+        self.run, self.stage, self.module = run, stage, module
         t, a = run.training, run.averaging
         self.prefix = averaging_prefix(run.run_id, stage)
         self.dropped = 0  # contributions left out of the average because they were not finite
@@ -331,7 +372,7 @@ class SwarmUpdater:
         self.check = ReplicaCheck(dht, run.run_id, stage)
         self.last_step: dict = {}
         groups = param_groups(module, t.weight_decay)
-        self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s, note)
+        self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s)
         self.opt = hivemind.Optimizer(
             dht=dht,
             run_id=self.prefix,
@@ -404,7 +445,7 @@ class SwarmUpdater:
         if self.check.diverged(expected=max(2, self.opt.tracker.global_progress.num_peers)):
             self.missed = True
             self.opt.state_averager.state_sharing_priority = self.epoch - 0.5  # load from the majority
-            self.note(f"stage {self.stage} step {self.epoch}: these weights differ from the other replicas'")
+            log.warning(f"stage {self.stage} step {self.epoch}: these weights differ from the other replicas'")
         return self.missed
 
     def started(self, pending: int) -> bool:
@@ -420,7 +461,7 @@ class SwarmUpdater:
         if not grads_finite(self.module):
             drop_grads(self.module)
             self.dropped += 1
-            self.note(f"stage {self.stage} step {self.epoch}: dropped a non-finite gradient of {pending} samples")
+            log.warning(f"stage {self.stage} step {self.epoch}: dropped a non-finite gradient of {pending} samples")
             pending = 0
         scale = 1.0  # applied to .grad for the all-reduce; undone when no step is taken
         if pending > 0:
@@ -437,7 +478,7 @@ class SwarmUpdater:
             # hivemind's tracker also ends an epoch when its estimated time of arrival has passed.
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.eta_next_epoch = get_dht_time()
-        partners = answering(self.opt.dht, self._partners(), timeout=PING_TIMEOUT_S)
+        partners = answering(self.opt.dht, tracked_partners(self.opt), timeout=PING_TIMEOUT_S)
         if not partners:
             # No other replica of the stage is there to average with: step alone at once. hivemind
             # counts a replica that died until its progress record expires (TTL_S) and looks for a
@@ -460,14 +501,14 @@ class SwarmUpdater:
             if scale != 1.0:
                 self._scale(1.0 / scale)
             return 0
-        group = self._group_size(control)
+        group = group_size(self.opt, control)
         optimizer = self.opt.state_averager.optimizer
         if optimizer.skipped:
             # The average came back non-finite (part of the all-reduce failed): the step was not
             # applied here, though others may have applied theirs.
             optimizer.skipped = 0
             group = 0
-            self.note(f"stage {self.stage} step {before}: the averaged gradient was not finite; not applied")
+            log.warning(f"stage {self.stage} step {before}: the averaged gradient was not finite; not applied")
         self.last_step = {"step": before, "samples": pending, "group": group, "s": time.perf_counter() - started}
         log.info("stage %d step %d: %d samples, averaged in a group of %d", self.stage, before, pending, group)
         if group == 0:
@@ -480,7 +521,7 @@ class SwarmUpdater:
             # (then this replica is the minority) or failed alike (each applied its own part: the
             # replicas now disagree evenly). The digests settle it either way: the majority, or on
             # a tie the smallest peer id, keeps its state and the rest load it.
-            self.note(f"stage {self.stage} step {before}: averaged alone with {pending} samples")
+            log.info(f"stage {self.stage} step {before}: averaged alone with {pending} samples")
         self.check.publish(self.epoch, weights_digest(self.module))
         return pending
 
@@ -493,44 +534,13 @@ class SwarmUpdater:
         # Only the last few: the other stages wait for the shares of the steps they are taking now.
         for skipped in range(max(self.epoch, step - NormExchange.SKIPPED_SHARES), step):
             self.norms.publish(skipped, 0.0)
-        averager = self.opt.state_averager
-        with averager.lock_averaged_tensors:
-            # As load_checkpoint: hivemind has no public way to move the epoch without a step.
-            averager.local_epoch = step
-            averager._update_scheduler()
-        self.opt.grad_averager.reset_accumulated_grads_()
-        self.opt.tracker.report_local_progress(self.epoch, 0)
-        averager.state_sharing_priority = self.opt.grad_averager.state_sharing_priority = self.epoch
+        set_epoch(self.opt, step)
         self.check.publish(self.epoch, weights_digest(self.module))
 
     def _scale(self, factor: float) -> None:
         for p in self.module.parameters():
             if p.grad is not None:
                 p.grad.mul_(factor)
-
-    def _partners(self) -> list[bytes]:
-        """The other replicas of the stage that hivemind's tracker lists (peer ids): those an
-        all-reduce would look for, the dead among them until their progress records expire."""
-        found = self.opt.dht.get(self.opt.tracker.training_progress_key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        me, partners = self.opt.dht.peer_id.to_bytes(), []
-        for item in found.value.values():
-            report = getattr(item, "value", None)
-            if isinstance(report, dict) and not report.get("client_mode"):
-                peer = report.get("peer_id")
-                if isinstance(peer, bytes) and peer != me:
-                    partners.append(peer)
-        return partners
-
-    def _group_size(self, previous) -> int:
-        """How many peers the all-reduce of the step just taken included (1: it averaged alone)."""
-        control = self.opt.scheduled_grads
-        if control is None or control is previous or not control.done():
-            return 1
-        if control.cancelled() or control.exception() is not None:  # exception() raises on a cancelled one
-            return 1
-        return len(control.result())
 
     def load_state(self) -> str:
         """Take the stage's weights, optimizer state and step from live peers, if there are any;
@@ -548,7 +558,7 @@ class SwarmUpdater:
                 self.failed_loads += 1
                 if self.failed_loads < self.MAX_FAILED_LOADS:
                     return self.source
-                self.note(f"stage {self.stage} step {self.epoch}: no peer offers a newer state; keeping this one")
+                log.info(f"stage {self.stage} step {self.epoch}: no peer offers a newer state; keeping this one")
         self.missed, self.failed_loads = False, 0
         self.opt.state_averager.state_sharing_priority = self.epoch
         self.check.publish(self.epoch, weights_digest(self.module))
@@ -563,14 +573,8 @@ class SwarmUpdater:
         averager = self.opt.state_averager
         with averager.lock_averaged_tensors:
             snapshot.apply(self.module, self.optimizer)
-        # What hivemind's TrainingStateAverager.load_state_from_peers does after a download (its
-        # private helpers: there is no public way to set a state that did not come from a peer).
-        averager._load_local_tensors_into_averager_()
-        averager.local_epoch = snapshot.step
-        averager._update_scheduler()
-        self.opt.grad_averager.reset_accumulated_grads_()
-        self.opt.tracker.report_local_progress(self.epoch, 0)
-        averager.state_sharing_priority = self.opt.grad_averager.state_sharing_priority = self.epoch
+        averager._load_local_tensors_into_averager_()  # as load_state_from_peers does after a download
+        set_epoch(self.opt, snapshot.step)
         self.missed, self.failed_loads = False, 0
         self.source = f"checkpoint step {self.epoch}"
         self.check.publish(self.epoch, weights_digest(self.module))

@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from swarm import __version__
 from swarm.config import RunConfig
 
-log = logging.getLogger("swarm.checkpoint")
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 WEIGHTS, OPTIMIZER, OPTIMIZER_LAYOUT, META = (
@@ -323,7 +323,7 @@ class CheckpointWriter:
         stage: int,
         every: int,
         keep: int = 2,
-        note: Callable[[str], None] = print,
+        note: Callable[[str], None] = log.info,
         before_write: Callable[[Snapshot], None] | None = None,
     ):
         if every < 1 or keep < 1:

@@ -60,7 +60,7 @@ from swarm.records import (
     visible_maddrs,
 )
 
-log = logging.getLogger("swarm.peer")
+log = logging.getLogger(__name__)
 
 # Leaving (the drain, the stage's optimizer, the DHT node) is bounded piece by piece; should any
 # of it hang anyway, the process dumps every thread's stack to stderr and exits (code 1) after this.
@@ -117,7 +117,7 @@ class PeerDaemon:
     def serve(self, stage: int) -> None:
         """Join `stage`: announce joining, measure, take the stage's current weights, serve, go online."""
         self.announce(stage=stage, state="joining", address="", moving_to=None)
-        print(f"peer {self.name}: joining stage {stage} of run {self.run.run_id!r}", flush=True)
+        log.info(f"peer {self.name}: joining stage {stage} of run {self.run.run_id!r}")
         # A stand-in for a slower device is slower from the start.
         self.measured = self.options.faults.slowed(cached_throughput(self.run, stage, self.device))
         opts, checkpoints = self.options, None
@@ -137,10 +137,9 @@ class PeerDaemon:
             optimizer_steps=self.worker.optimizer_steps,
             weights_from=source,
         )
-        print(
+        log.info(
             f"peer {self.name}: online, stage {stage}, serving on {self.record.address} ({self.worker.device_name}, "
-            f"{self.measured:.1f} samples/s measured, weights from {source})",
-            flush=True,
+            f"{self.measured:.1f} samples/s measured, weights from {source})"
         )
         if self.options.ready_file is not None:
             r = self.record
@@ -160,17 +159,16 @@ class PeerDaemon:
             source = self.worker.updater.load_state()
             if checkpoint is None or self.worker.optimizer_steps >= checkpoint.step:
                 return source
-            print(
+            log.info(
                 f"peer {self.name}: the live peers of stage {stage} offered step {self.worker.optimizer_steps}, "
-                f"the checkpoint holds step {checkpoint.step}",
-                flush=True,
+                f"the checkpoint holds step {checkpoint.step}"
             )
         try:
             source = self.worker.load_checkpoint(checkpoint)
         except CheckpointError as err:
-            print(f"peer {self.name}: cannot load checkpoint {checkpoint.path}: {err}", flush=True)
+            log.warning(f"peer {self.name}: cannot load checkpoint {checkpoint.path}: {err}")
             return source if source is not None else self.worker.updater.load_state()
-        print(f"peer {self.name}: resumed stage {stage} from {checkpoint.path}", flush=True)
+        log.info(f"peer {self.name}: resumed stage {stage} from {checkpoint.path}")
         return source
 
     def live_steps(self, stage: int) -> list[int]:
@@ -206,12 +204,10 @@ class PeerDaemon:
         if self.worker is not None:
             self.worker.close()
         self.server = None
-        print(
+        log.info(
             f"peer {self.name}: left stage {self.record.stage} in {time.monotonic() - started:.1f} s "
             f"(announce {announced - started:.1f} s, drain {drained - announced:.1f} s, "
-            f"worker {time.monotonic() - drained:.1f} s)",
-            file=sys.stderr,
-            flush=True,
+            f"worker {time.monotonic() - drained:.1f} s)"
         )
 
     def watch(self) -> SwarmView | None:
@@ -226,7 +222,7 @@ class PeerDaemon:
         if target is None:
             return
         source = self.record.stage
-        print(f"peer {self.name}: moving from stage {source} to stage {target}", flush=True)
+        log.info(f"peer {self.name}: moving from stage {source} to stage {target}")
         # Wait for the DHT to take "leaving" (with the target): a peer checking next must count this
         # peer on its new stage, or it moves too.
         self.leave_stage(timeout=2, moving_to=target)
@@ -292,7 +288,7 @@ def run_peer(options: PeerOptions) -> int:
         check_at, last_status = next_check(), time.monotonic()
         while not stop.wait(REFRESH_S):
             if peer.removed():
-                print(f"peer {peer.name}: removed from the run by the operator", flush=True)
+                log.warning(f"peer {peer.name}: removed from the run by the operator")
                 break  # and leave as on SIGTERM
             peer.refresh()
             # A check that falls due while the swarm is unsteady waits for it to settle.
@@ -303,13 +299,11 @@ def run_peer(options: PeerOptions) -> int:
             if time.monotonic() - last_status > 30:
                 last_status = time.monotonic()
                 w = peer.worker
-                print(
+                log.info(
                     f"peer {peer.name}: stage {peer.record.stage}, {w.samples_served} samples served, "
-                    f"{w.optimizer_steps} steps, {peer.record.throughput:.1f} samples/s, queue {peer.record.queue}",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{w.optimizer_steps} steps, {peer.record.throughput:.1f} samples/s, queue {peer.record.queue}"
                 )
-        print(f"peer {peer.name}: leaving", flush=True)
+        log.info(f"peer {peer.name}: leaving")
         return 0
     finally:
         faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import signal
-import sys
 import threading
 from pathlib import Path
 
@@ -14,6 +14,8 @@ from peer.worker import StageWorker
 from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.ready import PeerReady, write_ready
+
+log = logging.getLogger(__name__)
 
 
 def serve_stage(
@@ -37,10 +39,9 @@ def serve_stage(
     worker = StageWorker(run, stage, dev)
     server, service, bound = start_server(worker, host, port, join_token=join_token)
     layers = run.stage_layers(stage)
-    print(
+    log.info(
         f"stage {stage}/{run.stages.count} of run {run.run_id!r} (layers {layers.start}..{layers.stop - 1}) "
-        f"serving on {host}:{bound} ({worker.device_name}, codec {run.wire.codec})",
-        flush=True,
+        f"serving on {host}:{bound} ({worker.device_name}, codec {run.wire.codec})"
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -49,12 +50,10 @@ def serve_stage(
     if ready_file is not None:
         write_ready(ready_file, PeerReady(run_id=run.run_id, stage=stage, address=f"{host}:{bound}"))
     while not stop.wait(status_every):
-        print(
+        log.info(
             f"stage {stage}: {worker.samples_served} samples served, {worker.optimizer_steps} steps, "
             f"{worker.throughput:.1f} samples/s, queue {len(worker.queue)}, "
-            f"wire {service.bytes_received:,} B in / {service.bytes_sent:,} B out",
-            file=sys.stderr,
-            flush=True,
+            f"wire {service.bytes_received:,} B in / {service.bytes_sent:,} B out"
         )
     server.stop(grace=5).wait()
     worker.close()

@@ -24,7 +24,7 @@ from swarm.client import grpc_options
 from swarm.rpc import METHODS, SERVICE, pb
 from swarm.wire import encode
 
-log = logging.getLogger("swarm.peer")
+log = logging.getLogger(__name__)
 
 # A caller whose deadline is nearer than this is taken as gone: the answer would reach it too late,
 # it retries elsewhere, and a gradient kept here would count its microbatch twice.

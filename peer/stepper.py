@@ -18,6 +18,7 @@ copies it when a checkpoint is due and writes it on its own thread.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ import torch
 from peer.averaging import LocalUpdater, SwarmUpdater
 from peer.checkpoint import Checkpoint, CheckpointWriter, Snapshot
 from swarm.config import RunConfig
+
+log = logging.getLogger(__name__)
 
 
 class Updater(Protocol):
@@ -78,7 +81,7 @@ def make_updater(run: RunConfig, stage: int, module: torch.nn.Module, dht=None) 
     """A lone stage's updater, or with a `dht` one that averages with the other peers of the stage."""
     if dht is None:
         return LocalUpdater(run, module)
-    return SwarmUpdater(run, stage, module, dht, note=lambda text: print(text, flush=True))
+    return SwarmUpdater(run, stage, module, dht)
 
 
 class StagedGrads:
@@ -211,7 +214,7 @@ class Stepper:
                 self.updater.served(self.samples_pending)
             else:
                 self._drop_pending()
-        print(f"stage {self.stage_index}: caught up to step {self.optimizer_steps} from {source}", flush=True)
+        log.info(f"stage {self.stage_index}: caught up to step {self.optimizer_steps} from {source}")
 
     def close(self) -> None:
         """Leave the stage's averaging and finish the checkpoint being written."""
@@ -231,12 +234,12 @@ class Stepper:
             self.skipped_steps.append(skipped)
             self.invalidate()
         steps = str(skipped[0]) if len(skipped) == 1 else f"{skipped[0]}-{skipped[-1]}"
-        print(f"stage {self.stage_index}: skipped step(s) {steps}: {why}", flush=True)
+        log.warning(f"stage {self.stage_index}: skipped step(s) {steps}: {why}")
 
     def _drop_pending(self) -> None:
         """Forget the gradients accumulated since the last step (their step is gone). Under the lock."""
         if self.samples_pending:
-            print(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients", flush=True)
+            log.info(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients")
         self.samples_pending, self.pending_ids = 0, []
         self.module.zero_grad(set_to_none=False)
 

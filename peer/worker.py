@@ -37,7 +37,7 @@ from swarm.config import RunConfig
 from swarm.device import autocast, device_name
 from swarm.model import Stage
 
-log = logging.getLogger("swarm.worker")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from swarm.config import ConfigError, RunConfig, format_validation_error, load_config
+from swarm.logs import LEVELS, setup_logging
 
 if TYPE_CHECKING:
     from peer.options import PeerOptions
@@ -537,11 +538,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--prompt", default="The ", help="start of the sample drawn from the exported model")
     demo.set_defaults(func=cmd_demo)
+    for command in sub.choices.values():
+        command.add_argument(
+            "--log-level",
+            choices=LEVELS,
+            default="info",
+            help="the least severe log lines shown on stderr (default: info)",
+        )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
     try:
         return args.func(args)
     except ConfigError as err:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 
@@ -12,6 +12,8 @@ import httpx
 from swarm.client import bearer
 from swarm.config import ConfigError, RunConfig, parse_config
 from swarm.records import make_dht
+
+log = logging.getLogger(__name__)
 
 RETRY_MAX_S = 15.0  # the longest pause between two tries of a coordinator that does not answer
 
@@ -39,7 +41,7 @@ def fetch_join(
             waited = f" (tried for {wait_s:.0f} s; --join-wait sets how long)" if wait_s else ""
             raise ConfigError(f"--coordinator: {problem}{waited}")
         pause = min(pause, left)
-        print(f"{problem}; trying again in {pause:.0f} s", file=sys.stderr, flush=True)
+        log.warning(f"{problem}; trying again in {pause:.0f} s")
         time.sleep(pause)
         pause = min(2 * pause, RETRY_MAX_S)
     if response.status_code == 401:
@@ -76,5 +78,5 @@ def join_dht(
             problem = f"the run's DHT at {', '.join(initial_peers)} did not answer ({err})"
             if time.monotonic() + 1 > deadline:
                 raise ConfigError(f"--coordinator: {problem}") from None
-        print(f"{problem}; trying again in 1 s", file=sys.stderr, flush=True)
+        log.warning(f"{problem}; trying again in 1 s")
         time.sleep(1)

@@ -68,7 +68,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from swarm import __version__
 from swarm.net import free_port
 
-log = logging.getLogger("swarm.records")
+log = logging.getLogger(__name__)
 
 REFRESH_S = 4.0  # how often a live peer or trainer re-announces itself
 TTL_S = 12.0  # a record not refreshed for this long expires (a killed peer is gone within it)

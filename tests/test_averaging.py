@@ -4,6 +4,7 @@ rebalances close to the best assignment."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import hivemind
@@ -234,31 +235,33 @@ def loads_within_a_step(replica: SwarmUpdater) -> int:
     return loads
 
 
-def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_per_step(stage_one):
+def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_per_step(stage_one, caplog):
     """Two real replicas of stage 1 with equal weights; three other members of the stage (with a
     record in it, each signed by its own key) publish a majority digest that neither holds. Replica a
     believes it diverged and loads the stage's state from b, which brings nothing new; for the rest of
     the step it must not download the state again and again (the worker asks `behind` before every
     request)."""
-    run, notes = stage_one.run, []
-    a = stage_one.replica(stage_one.node(stage=1), note=notes.append)
+    caplog.set_level(logging.INFO, logger="peer.averaging")
+    run = stage_one.run
+    a = stage_one.replica(stage_one.node(stage=1))
     stage_one.replica(stage_one.node(stage=1))  # b joins and takes a's state
     for liar in [stage_one.node(stage=1) for _ in range(3)]:
         lie = WeightsDigest(peer_id=liar.peer_id.to_base58(), stage=1, step=0, digest="f" * 32)
         assert publish_digest(liar, run.run_id, lie, timeout=30)
     loads = loads_within_a_step(a)
-    assert any("differ from the other replicas" in n for n in notes), notes
+    assert any("differ from the other replicas" in n for n in caplog.messages), caplog.messages
     assert loads == 1, f"{loads} loads of the stage's state within one step"
 
 
-def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority_digest(stage_one):
+def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority_digest(stage_one, caplog):
     """Two real replicas of stage 1 with equal weights (a, b), a member of stage 0, and three DHT nodes
     that serve no stage. The three publish, signed with their own keys, a digest of step 0 that
     neither replica holds (three against two) and huge and negative norm shares for both stages, one
     in the name of stage 0's member; and, unsigned, more of each. None of it counts: replica a does not
     reload the stage's state, and the global norm is the honest one, from the members' shares."""
-    run, notes = stage_one.run, []
-    a = stage_one.replica(stage_one.node(stage=1), note=notes.append)
+    caplog.set_level(logging.INFO, logger="peer.averaging")
+    run = stage_one.run
+    a = stage_one.replica(stage_one.node(stage=1))
     stage_one.replica(stage_one.node(stage=1))  # b
     stage0 = stage_one.node(stage=0)
     attackers = [stage_one.node() for _ in range(3)]
@@ -286,12 +289,12 @@ def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority
         assert forger.store(digests, unsigned, expires, subkey=fake)
 
     assert loads_within_a_step(a) == 0
-    assert not any("differ from the other replicas" in n for n in notes), notes
+    assert not any("differ from the other replicas" in n for n in caplog.messages), caplog.messages
 
     NormExchange(stage0, run.run_id, run.stages.count, 0, timeout=30).publish(0, 9.0)
     a.norms.step = 0
     assert a.norms(16.0) == pytest.approx(5.0)  # sqrt(9 + 16): stage 0's share and its own
-    assert not any("no gradient norm" in n for n in notes), notes
+    assert not any("no gradient norm" in n for n in caplog.messages), caplog.messages
 
 
 def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averaging_swarm):

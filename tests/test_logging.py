@@ -1,0 +1,73 @@
+"""Logging (swarm/logs.py): one setup in the CLI. A real stage worker's status lines are log lines
+with the time, the level and the module; `--log-level` hides the less severe ones; the libraries'
+chatter stays below WARNING; a level that does not exist is refused, naming the flag."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm.ready import PeerReady, wait_ready
+from tests.conftest import run_cli
+from tests.processes import ROOT, child
+
+TINY = ROOT / "configs" / "tiny.toml"
+LOG_LINE = r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d {level} {module}: {text}"
+
+
+def serve_by_hand(tmp_path: Path, *extra: str) -> str:
+    """What a by-hand stage worker printed once it served (its ready file is written after the log line)."""
+    proc = child(
+        ["peer", "--config", str(TINY), "--stage", "0", "--port", "0", "--threads", "1", *extra],
+        tmp_path / f"peer{len(extra)}.log",
+        ready=True,
+    )
+    try:
+        wait_ready(proc, PeerReady, timeout=60)
+    finally:
+        assert proc.stop() == 0, proc.output()[-3000:]
+    return proc.output()
+
+
+def test_status_lines_are_log_lines_and_the_level_hides_them(tmp_path: Path):
+    shown = serve_by_hand(tmp_path)
+    text = r"stage 0/2 of run '\S+' .* serving on 127\.0\.0\.1:\d+"
+    serving = LOG_LINE.format(level="INFO", module=r"peer\.run", text=text)
+    assert re.search(serving, shown), shown[-3000:]
+
+    quiet = serve_by_hand(tmp_path, "--log-level", "warning")
+    assert "serving on" not in quiet, quiet[-3000:]
+    assert "stopped after" in quiet  # the closing summary is output, not a log line
+
+
+def test_the_libraries_stay_at_warning_unless_debugging():
+    script = (
+        "import logging, sys; from swarm.logs import setup_logging; setup_logging(sys.argv[1]); "
+        "logging.getLogger('httpx').info('library info'); logging.getLogger('httpx').warning('library warning'); "
+        "logging.getLogger('peer.daemon').info('own info'); logging.getLogger('peer.daemon').debug('own debug')"
+    )
+
+    def stderr(level: str) -> str:
+        args = [sys.executable, "-c", script, level]
+        run = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert run.returncode == 0, run.stderr
+        return run.stderr
+
+    info = stderr("info")
+    assert "own info" in info and "library warning" in info
+    assert "library info" not in info and "own debug" not in info
+    debug = stderr("debug")
+    assert all(text in debug for text in ("own info", "own debug", "library info", "library warning"))
+    assert "own info" not in stderr("warning")
+
+
+@pytest.mark.parametrize(
+    "command", [["peer", "--config", str(TINY), "--stage", "0"], ["coordinator", "--config", str(TINY)]]
+)
+def test_an_unknown_log_level_is_refused_naming_the_flag(command: list[str]):
+    run = run_cli(*command, "--log-level", "loud", timeout=60)
+    assert run.returncode == 2 and "--log-level" in run.stderr and "loud" in run.stderr, run.stderr
