@@ -16,7 +16,11 @@ from tests.conftest import run_cli
 from tests.processes import ROOT, child
 
 TINY = ROOT / "configs" / "tiny.toml"
-LOG_LINE = r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d {level} {module}: {text}"
+TIME = r"[A-Z][a-z][a-z] [ \d]\d \d\d:\d\d:\d\d"  # as logging writes it: Nov 24 14:12:34
+
+
+def log_line(level: str, module: str, text: str) -> str:
+    return rf"{TIME} {level} {module}: {text}"
 
 
 def serve_by_hand(tmp_path: Path, *extra: str) -> str:
@@ -36,7 +40,7 @@ def serve_by_hand(tmp_path: Path, *extra: str) -> str:
 def test_status_lines_are_log_lines_and_the_level_hides_them(tmp_path: Path):
     shown = serve_by_hand(tmp_path)
     text = r"stage 0/2 of run '\S+' .* serving on 127\.0\.0\.1:\d+"
-    serving = LOG_LINE.format(level="INFO", module=r"peer\.run", text=text)
+    serving = log_line("INFO", r"peer\.run", text)
     assert re.search(serving, shown), shown[-3000:]
 
     quiet = serve_by_hand(tmp_path, "--log-level", "warning")
