@@ -150,6 +150,11 @@ def serve_coordinator(
         bound = _bound_port(server, port)
         url = f"http://{host}:{bound}"
         log.info(f"coordinator of run {run.run_id!r} at {url} (DHT {maddrs[0] if maddrs else '?'})")
+        if run.data.local_paths():
+            log.warning(
+                f"data names local files ({', '.join(run.data.local_paths())}): trainers refuse to read them "
+                "unless started with --allow-config-files, or give their own --data PATH"
+            )
         if ready_file is not None:
             write_ready(ready_file, CoordinatorReady(run_id=run.run_id, url=url, http_port=bound, dht_maddrs=maddrs))
         next_status = time.monotonic() + STATUS_EVERY_S

@@ -88,6 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         log_json=args.log_json,
         device=args.device,
         data=args.data,
+        allow_config_files=args.allow_config_files,
         call_timeout=args.call_timeout,
         verify_fraction=args.verify_fraction,
         join_token=args.join_token,
@@ -363,6 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--data", type=data_path, metavar="PATH", help="train on these text files (file or folder), not the run's data"
+    )
+    train.add_argument(
+        "--allow-config-files",
+        action="store_true",
+        help="with --coordinator: read the local files the run's data section names (by default a trainer "
+        "reads local files only from its own --data)",
     )
     train.add_argument("--call-timeout", type=float, default=60.0, help="seconds before a call is retried elsewhere")
     train.add_argument(

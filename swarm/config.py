@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Codec = Literal["none", "fp16", "bf16", "int8"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -107,6 +107,14 @@ class ServeConfig(_Strict):
     request_timeout_s: float = Field(120.0, gt=0, description="longest a request waits in the queue")
 
 
+REMOTE_DATA = ("hf://", "https://", "http://")  # where a dataset file may live without being a local path
+
+
+def _path_like(name: str) -> bool:
+    """A dataset name that datasets.load_dataset would take for a local folder or file."""
+    return name.startswith(("/", ".", "~")) or Path(name).expanduser().exists()
+
+
 class DataConfig(_Strict):
     source: Literal["embedded", "files", "huggingface"] = Field(
         "embedded", description="the training text; embedded is CPython's documentation, shipped with Python"
@@ -118,6 +126,17 @@ class DataConfig(_Strict):
     split: str = Field("train", description="its split")
     text_field: str = Field("text", description="its column of text")
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="the end of the text held out for validation")
+
+    def local_paths(self) -> list[str]:
+        """The paths on the reading machine this section would make a trainer read: the path of
+        `files`, and a `huggingface` dataset or data file that is not remote (datasets reads a local
+        folder or file as readily as a hub dataset)."""
+        if self.source == "files":
+            return [self.path or ""]
+        if self.source != "huggingface":
+            return []
+        paths = [self.dataset] if self.dataset and _path_like(self.dataset) else []
+        return paths + [f for f in self.data_files or [] if not f.startswith(REMOTE_DATA)]
 
     @model_validator(mode="after")
     def _source(self) -> DataConfig:
@@ -195,9 +214,16 @@ class VerifyConfig(_Strict):
     )
 
 
+RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
 class RunConfig(_Strict):
     run_id: str = Field(
-        "swarm", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="names the run in the DHT"
+        "swarm",
+        min_length=1,
+        max_length=64,
+        description="names the run in the DHT and the peers' checkpoint folders: letters, digits and ._- only, "
+        "not starting with '.'",
     )
     model: ModelConfig = ModelConfig()
     stages: StagesConfig = StagesConfig()
@@ -208,6 +234,14 @@ class RunConfig(_Strict):
     averaging: AveragingConfig = AveragingConfig()
     verify: VerifyConfig = VerifyConfig()
     data: DataConfig = DataConfig()
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        # A peer makes {checkpoint_dir}/{run_id}/: '..' or a '/' would put it outside.
+        if not RUN_ID.fullmatch(value):
+            raise ValueError(f"{value!r}: use letters, digits and . _ - only, not starting with '.'")
+        return value
 
     @model_validator(mode="after")
     def _stages(self) -> RunConfig:

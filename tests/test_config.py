@@ -56,7 +56,10 @@ def test_coordinator_stages_option_is_validated():
         (lambda d: d["wire"].update(codec="zip"), "wire.codec", "'none', 'fp16', 'bf16' or 'int8'"),
         (lambda d: d["model"].update(tie_embeddings=True), "model.tie_embeddings", "stages.count = 1"),
         (lambda d: d["data"].update(source="files"), "data.path", "required"),
-        (lambda d: d.update(run_id="has space"), "run_id", "pattern"),
+        (lambda d: d.update(run_id="has space"), "run_id", "letters, digits and . _ - only"),
+        (lambda d: d.update(run_id=".."), "run_id", "not starting with '.'"),
+        (lambda d: d.update(run_id=".hidden"), "run_id", "not starting with '.'"),
+        (lambda d: d.update(run_id="a/b"), "run_id", "letters, digits and . _ - only"),
     ],
 )
 def test_malformed_config_is_refused_with_the_field_named(mutate, field, phrase):

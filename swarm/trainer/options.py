@@ -15,6 +15,8 @@ class TrainerOptions:
     log_json: str | None = None  # one JSON object per optimizer step to this file
     device: str | None = None  # --local: None for auto
     data: str | None = None  # text files to train on instead of the run's data section
+    # --coordinator: read the local files the coordinator's run config names (else such a config is refused)
+    allow_config_files: bool = False
     call_timeout: float = 60.0  # --coordinator: the longest a call waits before it is retried elsewhere
     verify_fraction: float | None = None  # --coordinator: share of forward calls spot-checked; None: the run's
     join_token: str | None = None  # the run's join token (the coordinator's, the stage workers')

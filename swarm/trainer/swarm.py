@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection
 import grpc
 
 from swarm.client import StageClient, deadline
-from swarm.config import RunConfig
+from swarm.config import ConfigError, RunConfig
 from swarm.join import join_dht
 from swarm.progress import RunLog
 from swarm.rpc import pb
@@ -178,7 +178,19 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
     files to train on instead of the run's own data section (the run's model, schedule and batches
     stay the coordinator's); `opts.verify_fraction`: the share of forward calls spot-checked, instead
     of the run's `verify.fraction`."""
-    run, initial_peers, dht = join_dht(coordinator, opts.join_token, opts.join_wait, client_mode=True)
+
+    def own_files_only(run: RunConfig) -> None:
+        # The coordinator chooses the run, not what this machine reads and sends to stage-0 peers.
+        paths = run.data.local_paths()
+        if paths and not opts.data and not opts.allow_config_files:
+            raise ConfigError(
+                f"{coordinator}'s run config names local files for the data ({', '.join(paths)}): a trainer "
+                "reads local files only from its own --data PATH, or with --allow-config-files"
+            )
+
+    run, initial_peers, dht = join_dht(
+        coordinator, opts.join_token, opts.join_wait, check=own_files_only, client_mode=True
+    )
     if opts.data:
         run = run.with_data(opts.data)
     if opts.verify_fraction is not None:
