@@ -30,6 +30,7 @@ from coordinator.history import History, HistoryRecorder
 from coordinator.known_peers import KnownPeers
 from coordinator.view import SwarmReader, ViewHolder, empty_view
 from swarm.config import ConfigError, RunConfig
+from swarm.net import cleartext_warning
 from swarm.ready import CoordinatorReady, write_ready
 from swarm.records import make_dht, shutdown_dht, visible_maddrs
 
@@ -96,11 +97,13 @@ def serve_coordinator(
     announce_host: str | None = None,
     join_token: str | None = None,
     ready_file: Path | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> int:
     """`announce_host`: the address peers on other machines reach this one at, handed out in
     /api/v1/join instead of the listening interfaces' addresses. `join_token`: what peers and
     trainers must send to join (None: anyone may). `ready_file`: where to say, once HTTP serves,
-    at which URL and DHT addresses (swarm/ready.py)."""
+    at which URL and DHT addresses (swarm/ready.py). `tls`: (certificate, key) files to serve HTTPS
+    with (uvicorn's); None: plain HTTP."""
     # Signals first arrive here; until the server is up, a signal just ends the start-up early.
     stop = threading.Event()
 
@@ -130,7 +133,9 @@ def serve_coordinator(
         publisher.start()
 
         app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, join_token=join_token)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        cert, key = tls if tls else (None, None)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
+        server = uvicorn.Server(config)
         # Off the main thread uvicorn leaves signal handling to us (no capture and re-raise).
         server_thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
         server_thread.start()
@@ -148,7 +153,10 @@ def serve_coordinator(
             return code
 
         bound = _bound_port(server, port)
-        url = f"http://{host}:{bound}"
+        url = f"{'https' if tls else 'http'}://{host}:{bound}"
+        for secret, given in (("the join token", join_token), ("the operator token", token)):
+            if given and (warning := cleartext_warning(url, secret)):
+                log.warning(warning)
         log.info(f"coordinator of run {run.run_id!r} at {url} (DHT {maddrs[0] if maddrs else '?'})")
         if run.data.local_paths():
             log.warning(

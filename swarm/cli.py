@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -211,7 +212,22 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         announce_host=args.announce_host,
         join_token=args.join_token,
         ready_file=args.ready_file,
+        tls=tls_files(args.tls_cert, args.tls_key),
     )
+
+
+def tls_files(cert: Path | None, key: Path | None) -> tuple[Path, Path] | None:
+    """`--tls-cert` and `--tls-key`, checked now (both or neither; a certificate and its key that
+    load), so that a mistake is named before anything starts."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ConfigError("--tls-cert and --tls-key go together: give both, or neither for plain HTTP")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except OSError as err:  # ssl.SSLError is one
+        raise ConfigError(f"--tls-cert {cert} / --tls-key {key}: cannot use them ({err})") from None
+    return cert, key
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -476,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_join_token(coord, "peers and trainers must give this token to join (without one, anyone may join)")
     add_ready_file(coord, "once it serves: its run id, URL and DHT addresses")
+    coord.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve HTTPS with this certificate (chain)")
+    coord.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
     coord.set_defaults(func=cmd_coordinator)
 
     export = sub.add_parser(

@@ -11,6 +11,7 @@ import httpx
 
 from swarm.client import bearer
 from swarm.config import ConfigError, RunConfig, parse_config
+from swarm.net import cleartext_warning
 from swarm.records import make_dht
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ def fetch_join(
     unavailable (e.g. while it restarts), is tried again for up to `wait_s` seconds, with a line on
     stderr before each pause; a refusal (a wrong token, a bad URL) ends at once."""
     headers = {"Authorization": bearer(join_token)} if join_token else {}
+    if join_token and (warning := cleartext_warning(url, "the join token")):
+        log.warning(warning)
     deadline = time.monotonic() + wait_s
     pause = 1.0
     while True:

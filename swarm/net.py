@@ -1,8 +1,30 @@
-"""Ports on this machine."""
+"""Ports on this machine, and whether an address leaves it."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
+from urllib.parse import urlsplit
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP address or a name, as in a URL) is this machine's loopback: traffic to it
+    never leaves the machine. A name other than localhost is not resolved: it counts as remote."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cleartext_warning(url: str, secret: str) -> str | None:
+    """A warning when `secret` would travel in clear to `url` (http:// to another machine), else None."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or is_loopback(parts.hostname or ""):
+        return None
+    return f"{secret} travels in clear to {url}: serve the coordinator over HTTPS (--tls-cert, --tls-key)"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

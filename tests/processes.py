@@ -61,10 +61,11 @@ def wait_for_output(proc: Proc, pattern: str, timeout: float = 60) -> re.Match:
     raise TimeoutError(f"no line matching {pattern!r} within {timeout} s:\n{proc.output()[-3000:]}")
 
 
-def wait_for_state(base: str, ok: Callable[[dict], bool], timeout: float = 10.0) -> dict:
+def wait_for_state(base: str, ok: Callable[[dict], bool], timeout: float = 10.0, verify=True) -> dict:
+    """The coordinator's /api/v1/state once `ok` says so (`verify`: as httpx takes it, for HTTPS)."""
     deadline = time.monotonic() + timeout
     while True:
-        state = httpx.get(f"{base}/api/v1/state", timeout=5).json()
+        state = httpx.get(f"{base}/api/v1/state", timeout=5, verify=verify).json()
         if ok(state):
             return state
         if time.monotonic() > deadline:
