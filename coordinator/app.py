@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse
@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from coordinator.api_control import ErrorDetail, control_router, token_matches
 from coordinator.api_history import history_router
+from coordinator.ca import CertificateError, RunCA, identity_of, load_public_key
 from coordinator.control import OperatorControl
 from coordinator.history import History, point_of
 from coordinator.metrics import metrics_router
@@ -38,6 +39,22 @@ class JoinInfo(BaseModel):
     """What the coordinator knows about itself at start-up."""
 
     initial_peers: list[str]
+
+
+class CertificateRequest(BaseModel):
+    """A joiner's DHT identity, to be certified as a member of the run."""
+
+    public_key: str = Field(
+        min_length=1, max_length=8192, description="the public half of the joiner's DHT key (RSA, PEM)"
+    )
+    role: Literal["peer", "trainer"] = Field(description="what the joiner will do in the run")
+
+
+class CertificateResponse(BaseModel):
+    certificate: str = Field(description="PEM: the joiner's member certificate, signed by the run CA")
+    ca: str = Field(description="PEM: the run CA's certificate, the root every member checks others against")
+    peer_id: str = Field(description="the peer id the certificate names, derived from the key")
+    expires: float = Field(description="unix time after which the certificate is no longer valid")
 
 
 class JoinResponse(BaseModel):
@@ -114,6 +131,7 @@ def create_app(
     control: OperatorControl | None = None,
     history: History | None = None,
     join_token: str | None = None,
+    ca: RunCA | None = None,
 ) -> FastAPI:
     """The coordinator's HTTP app; without a `history` store it keeps the history in memory only. With
     a `join_token`, /api/v1/join answers only requests that carry it (reading the swarm stays open)."""
@@ -145,6 +163,25 @@ def create_app(
     )
     def join() -> JoinResponse:
         return JoinResponse(run_id=run.run_id, config=run, initial_peers=join_info.initial_peers, version=__version__)
+
+    if ca is not None:
+
+        @app.post(
+            "/api/v1/certificate",
+            response_model=CertificateResponse,
+            responses={422: {"model": ErrorDetail}, **({401: {"model": ErrorDetail}} if guarded else {})},
+            dependencies=[Depends(joiner)] if guarded else [],
+            summary="Certify a joiner's DHT identity as a member of this run",
+        )
+        def certificate(request: CertificateRequest) -> CertificateResponse:
+            try:
+                issued = ca.issue(load_public_key(request.public_key), request.role)
+            except CertificateError as err:
+                raise HTTPException(422, str(err)) from None
+            member = identity_of(issued, ca.cert, run.run_id)
+            return CertificateResponse(
+                certificate=issued, ca=ca.cert_pem, peer_id=member.peer_id, expires=member.not_after.timestamp()
+            )
 
     @app.get("/api/v1/state", response_model=StateResponse, summary="The swarm as last read from the DHT")
     def state() -> StateResponse:

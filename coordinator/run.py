@@ -25,6 +25,7 @@ import uvicorn
 from hivemind.p2p import P2PDaemonError
 
 from coordinator.app import JoinInfo, create_app
+from coordinator.ca import RunCA
 from coordinator.control import ControlPublisher, OperatorControl
 from coordinator.history import History, HistoryRecorder
 from coordinator.known_peers import KnownPeers
@@ -132,7 +133,8 @@ def serve_coordinator(
         reader.start()
         publisher.start()
 
-        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, join_token=join_token)
+        ca = RunCA.load_or_create(state_dir, run.run_id)
+        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, join_token=join_token, ca=ca)
         cert, key = tls if tls else (None, None)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
         server = uvicorn.Server(config)

@@ -7,13 +7,17 @@ import datetime
 import stat
 from pathlib import Path
 
+import httpx
 import pytest
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 from coordinator.ca import CertificateError, RunCA, identity_of, load_public_key, peer_id_of
+from tests.conftest import CONFIGS
+from tests.processes import start_coordinator
 
 
 def dht_identity() -> tuple[rsa.RSAPrivateKey, str]:
@@ -75,3 +79,37 @@ def test_a_key_that_is_no_dht_identity_is_refused():
         load_public_key(pem)
     with pytest.raises(CertificateError, match="not a PEM public key"):
         load_public_key(b"-----BEGIN PUBLIC KEY-----\nnope\n-----END PUBLIC KEY-----\n")
+
+
+def test_a_real_coordinator_certifies_a_joiner_with_the_join_token_and_keeps_its_ca(tmp_path: Path):
+    config, state = CONFIGS / "tiny.toml", tmp_path / "state"
+    key, peer_id = dht_identity()
+    pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    ask = {"public_key": pem.decode(), "role": "peer"}
+    roots = []
+    for attempt in range(2):  # the second coordinator restarts on the first one's state
+        flags = ["--join-token", "invite", "--state-dir", str(state)]
+        proc, url = start_coordinator(config, tmp_path / f"c{attempt}.log", *flags)
+        try:
+            assert httpx.post(f"{url}/api/v1/certificate", json=ask).status_code == 401
+            given = httpx.post(f"{url}/api/v1/certificate", json=ask, headers={"Authorization": "Bearer invite"})
+            assert given.status_code == 200, given.text
+            body = given.json()
+            root = x509.load_pem_x509_certificate(body["ca"].encode())
+            member = identity_of(body["certificate"], root, "tiny")
+            assert (member.peer_id, member.role, body["peer_id"]) == (peer_id, "peer", peer_id)
+            roots.append(body["ca"])
+            not_rsa = (
+                ec.generate_private_key(ec.SECP256R1())
+                .public_key()
+                .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+            )
+            refused = httpx.post(
+                f"{url}/api/v1/certificate",
+                json={"public_key": not_rsa.decode(), "role": "peer"},
+                headers={"Authorization": "Bearer invite"},
+            )
+            assert refused.status_code == 422 and "not an RSA key" in refused.text
+        finally:
+            proc.stop()
+    assert roots[0] == roots[1]
