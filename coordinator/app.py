@@ -7,6 +7,7 @@ DHT never stalls the API.
 
 from __future__ import annotations
 
+import base64
 import math
 import time
 from pathlib import Path
@@ -20,13 +21,14 @@ from pydantic import BaseModel, Field
 
 from coordinator.api_control import ErrorDetail, control_router, token_matches
 from coordinator.api_history import history_router
-from coordinator.ca import CertificateError, RunCA, identity_of, load_public_key
+from coordinator.ca import RunCA
 from coordinator.control import OperatorControl
 from coordinator.history import History, point_of
 from coordinator.metrics import metrics_router
 from coordinator.view import ViewHolder
 from swarm import __version__
 from swarm.config import RunConfig
+from swarm.identity import CertificateError, identity_of, load_public_key
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
 
 STATIC_DIR = Path(__file__).parent / "static"  # the dashboard: index.html, app.js, chart.js, style.css
@@ -55,6 +57,7 @@ class CertificateResponse(BaseModel):
     ca: str = Field(description="PEM: the run CA's certificate, the root every member checks others against")
     peer_id: str = Field(description="the peer id the certificate names, derived from the key")
     expires: float = Field(description="unix time after which the certificate is no longer valid")
+    dht_token: str = Field(description="base64: the joiner's DHT access token (hivemind's AccessToken)")
 
 
 class JoinResponse(BaseModel):
@@ -178,9 +181,13 @@ def create_app(
                 issued = ca.issue(load_public_key(request.public_key), request.role)
             except CertificateError as err:
                 raise HTTPException(422, str(err)) from None
-            member = identity_of(issued, ca.cert, run.run_id)
+            member = identity_of(issued.certificate, ca.cert, run.run_id)
             return CertificateResponse(
-                certificate=issued, ca=ca.cert_pem, peer_id=member.peer_id, expires=member.not_after.timestamp()
+                certificate=issued.certificate,
+                ca=issued.ca,
+                peer_id=member.peer_id,
+                expires=issued.expires,
+                dht_token=base64.b64encode(issued.dht_token).decode(),
             )
 
     @app.get("/api/v1/state", response_model=StateResponse, summary="The swarm as last read from the DHT")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import ssl
 import sys
@@ -213,6 +214,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         join_token=args.join_token,
         ready_file=args.ready_file,
         tls=tls_files(args.tls_cert, args.tls_key),
+        cert_ttl=datetime.timedelta(hours=args.certificate_hours),
     )
 
 
@@ -494,6 +496,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_ready_file(coord, "once it serves: its run id, URL and DHT addresses")
     coord.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve HTTPS with this certificate (chain)")
     coord.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
+    coord.add_argument(
+        "--certificate-hours",
+        type=positive_float,
+        default=24.0,
+        metavar="H",
+        help="how long the run certificates of peers and trainers are valid; they renew them halfway (default: 24)",
+    )
     coord.set_defaults(func=cmd_coordinator)
 
     export = sub.add_parser(
