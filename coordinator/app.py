@@ -127,6 +127,15 @@ def build_state(run: RunConfig, view: SwarmView, now: float | None = None, pause
     )
 
 
+def without_dht_addresses(state: StateResponse) -> StateResponse:
+    """The state as anyone may read it: no peer's DHT addresses (a way into the run's DHT)."""
+    stages = [
+        stage.model_copy(update={"peers": [p.model_copy(update={"dht_addrs": []}) for p in stage.peers]})
+        for stage in state.stages
+    ]
+    return state.model_copy(update={"stages": stages})
+
+
 def create_app(
     run: RunConfig,
     view_holder: ViewHolder,
@@ -190,12 +199,26 @@ def create_app(
                 dht_token=base64.b64encode(issued.dht_token).decode(),
             )
 
-    @app.get("/api/v1/state", response_model=StateResponse, summary="The swarm as last read from the DHT")
-    def state() -> StateResponse:
+    def insider(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(join_bearer)]) -> bool:
+        # The operator, or a joiner with the run's token: who may see where the peers' DHT nodes listen.
+        tokens = [t for t in (join_token, control.token if control else None) if t]
+        return any(token_matches(credentials, t) for t in tokens)
+
+    @app.get(
+        "/api/v1/state",
+        response_model=StateResponse,
+        summary="The swarm as last read from the DHT",
+        description="The peers' DHT addresses are listed only to the operator and to holders of the join token.",
+    )
+    def state(full: bool = Depends(insider)) -> StateResponse:  # noqa: B008 (a local dependency)
+        current = current_state()
+        return current if full else without_dht_addresses(current)
+
+    def current_state() -> StateResponse:
         return build_state(run, view_holder.get(), paused=view_holder.control().paused)
 
     app.include_router(history_router(history))  # /api/v1/history, /api/v1/events (coordinator.api_history)
-    app.include_router(metrics_router(state))  # /metrics (coordinator.metrics)
+    app.include_router(metrics_router(current_state))  # /metrics (coordinator.metrics)
 
     app.include_router(control_router(view_holder, control))  # operator-only (coordinator.api_control)
 
