@@ -316,9 +316,10 @@ class Member:
     def authorizer(self) -> RunAuthorizer:
         return RunAuthorizer(self.key, self.issued.dht_token, self.issued.ca, self.run_id)
 
-    def start(self, dht: hivemind.DHT, read_revoked: Callable[[], set[str]]) -> None:
+    def start(self, dht: hivemind.DHT | None, read_revoked: Callable[[], set[str]]) -> None:
         """Keep the membership current in the background: renew before the certificate lapses, read
-        the revoked peer ids every REVOCATION_POLL_S (`read_revoked`), and tell `dht`'s authorizer."""
+        the revoked peer ids every REVOCATION_POLL_S (`read_revoked`), and tell `dht`'s authorizer
+        (None: a member with no DHT node)."""
         self._thread = threading.Thread(target=self._keep, args=(dht, read_revoked), name="membership", daemon=True)
         self._thread.start()
 
@@ -327,7 +328,7 @@ class Member:
             lifetime = self._issued.expires - self._issued_at
             return time.time() >= self._issued_at + RENEW_AT * lifetime
 
-    def _keep(self, dht: hivemind.DHT, read_revoked: Callable[[], set[str]]) -> None:
+    def _keep(self, dht: hivemind.DHT | None, read_revoked: Callable[[], set[str]]) -> None:
         while not self._stop.wait(REVOCATION_POLL_S):
             token = None
             if self._renew is not None and self.renewal_due():
@@ -346,6 +347,8 @@ class Member:
                 revoked = self.revoked
             if token is not None or revoked != self.revoked:
                 self.revoked = revoked
+                if dht is None:
+                    continue
                 update = functools.partial(_update_authorizer, token=token, revoked=revoked)
                 dht.run_coroutine(update, return_future=True)  # not waited for
 
