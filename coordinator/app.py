@@ -21,19 +21,23 @@ from pydantic import BaseModel, Field
 
 from coordinator.api_control import ErrorDetail, control_router, token_matches
 from coordinator.api_history import history_router
+from coordinator.api_invites import invites_router
 from coordinator.ca import RunCA
 from coordinator.control import OperatorControl
 from coordinator.history import History, point_of
+from coordinator.invites import InviteError, InviteRefused, Invites, UnknownInvite
 from coordinator.metrics import metrics_router
 from coordinator.view import ViewHolder
 from swarm import __version__
 from swarm.config import RunConfig
-from swarm.identity import CertificateError, identity_of, load_public_key
+from swarm.identity import CertificateError, identity_of, load_public_key, peer_id_of
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
 
 STATIC_DIR = Path(__file__).parent / "static"  # the dashboard: index.html, app.js, chart.js, style.css
 join_bearer = HTTPBearer(
-    auto_error=False, scheme_name="JoinToken", description="the token given to `swarm coordinator --join-token`"
+    auto_error=False,
+    scheme_name="JoinToken",
+    description="the token given to `swarm coordinator --join-token`, or an invite's (`swarm coordinator invite`)",
 )
 
 
@@ -142,35 +146,47 @@ def create_app(
     join_info: JoinInfo,
     control: OperatorControl | None = None,
     history: History | None = None,
-    join_token: str | None = None,
     ca: RunCA | None = None,
 ) -> FastAPI:
-    """The coordinator's HTTP app; without a `history` store it keeps the history in memory only. With
-    a `join_token`, /api/v1/join answers only requests that carry it (reading the swarm stays open)."""
+    """The coordinator's HTTP app; without a `history` store it keeps the history in memory only. When
+    the control's invites guard the run (a join token, or invite-only), /api/v1/join and
+    /api/v1/certificate answer only requests that carry a valid token (reading the swarm stays open).
+    Without `control`, an open run that nobody controls."""
     history = history if history is not None else History(Path(":memory:"))
+    invites = control.invites if control is not None else Invites(None)
     app = FastAPI(
         title=f"swarm coordinator: run {run.run_id}",
         version=__version__,
         description="Join a SWARM training run and watch its pipeline stages.",
     )
 
-    def joiner(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(join_bearer)]) -> None:
-        if join_token is not None and not token_matches(credentials, join_token):
+    def joiner(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(join_bearer)]) -> str:
+        """The name of the invite whose token the request carries."""
+        try:
+            return invites.admit(credentials.credentials if credentials is not None else "")
+        except UnknownInvite:
             raise HTTPException(
                 401,
                 "missing or wrong join token: this run needs the join token its operator gave out "
                 "(send 'Authorization: Bearer TOKEN'; swarm peer --join-token, or $SWARM_JOIN_TOKEN)",
                 headers={"WWW-Authenticate": "Bearer"},
-            )
+            ) from None
+        except InviteRefused as err:
+            raise HTTPException(403, str(err)) from None
+
+    def anyone() -> None:
+        """An open run's joiner: under no invite."""
 
     # An open run declares no security on /api/v1/join, so its schema says what it does.
-    guarded = join_token is not None
+    guarded = invites.guarded
+    admitted = joiner if guarded else anyone
+    refused = {401: {"model": ErrorDetail}, 403: {"model": ErrorDetail}} if guarded else {}
 
     @app.get(
         "/api/v1/join",
         response_model=JoinResponse,
-        responses={401: {"model": ErrorDetail}} if guarded else {},
-        dependencies=[Depends(joiner)] if guarded else [],
+        responses=refused,
+        dependencies=[Depends(admitted)],
         summary="How to join this run",
     )
     def join() -> JoinResponse:
@@ -181,15 +197,22 @@ def create_app(
         @app.post(
             "/api/v1/certificate",
             response_model=CertificateResponse,
-            responses={422: {"model": ErrorDetail}, **({401: {"model": ErrorDetail}} if guarded else {})},
-            dependencies=[Depends(joiner)] if guarded else [],
-            summary="Certify a joiner's DHT identity as a member of this run",
+            responses={422: {"model": ErrorDetail}, 403: {"model": ErrorDetail}, **refused},
+            summary="Certify a joiner's DHT identity as a member of this run (counted against its invite)",
         )
-        def certificate(request: CertificateRequest) -> CertificateResponse:
+        def certificate(
+            request: CertificateRequest,
+            # A default, not Annotated: this module's annotations are strings, and `admitted` is local.
+            invite: str | None = Depends(admitted),  # noqa: B008
+        ) -> CertificateResponse:
             try:
-                issued = ca.issue(load_public_key(request.public_key), request.role)
+                key = load_public_key(request.public_key)
+                invites.count(invite, peer_id_of(key))  # a revoked peer, or one identity too many: refused
+                issued = ca.issue(key, request.role)
             except CertificateError as err:
                 raise HTTPException(422, str(err)) from None
+            except InviteRefused as err:
+                raise HTTPException(403, str(err)) from None
             member = identity_of(issued.certificate, ca.cert, run.run_id)
             return CertificateResponse(
                 certificate=issued.certificate,
@@ -204,9 +227,19 @@ def create_app(
         # Read from the header itself: as a security dependency, the token would look required to
         # every client of the API, while anyone may read the state.
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        credentials = HTTPAuthorizationCredentials(scheme=scheme, credentials=given) if scheme == "Bearer" else None
-        tokens = [t for t in (join_token, control.token if control else None) if t]
-        return any(token_matches(credentials, t) for t in tokens)
+        if scheme != "Bearer" or not given:
+            return False
+        if (
+            control is not None
+            and control.token
+            and token_matches(HTTPAuthorizationCredentials(scheme=scheme, credentials=given), control.token)
+        ):
+            return True
+        try:
+            invites.admit(given)
+        except InviteError:
+            return False
+        return True
 
     @app.get(
         "/api/v1/state",
@@ -225,6 +258,7 @@ def create_app(
     app.include_router(metrics_router(current_state))  # /metrics (coordinator.metrics)
 
     app.include_router(control_router(view_holder, control))  # operator-only (coordinator.api_control)
+    app.include_router(invites_router(invites, control))  # /api/v1/invites (coordinator.api_invites)
 
     # The live dashboard: static files shipped in the package, polling the API above.
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

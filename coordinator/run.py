@@ -1,7 +1,8 @@
 """`swarm coordinator`: the run's first DHT node, a background reader of the swarm, and the REST API.
 
 What outlives the process lies in the state directory: the DHT identity (`dht.key`), the peers'
-DHT addresses last seen (`peers.json`), the operator's pause (`control.json`) and the run's
+DHT addresses last seen (`peers.json`), the operator's pause (`control.json`), the run CA (`ca.key`,
+`ca.pem`), the invites and revoked peers (`invites.json`, see coordinator.invites) and the run's
 history of progress points and events (`history.sqlite`, see coordinator.history). A coordinator
 started again on the same ports with the same state directory has the same multiaddrs and finds
 the running swarm at once; training never needed it.
@@ -30,6 +31,7 @@ from coordinator.app import JoinInfo, create_app
 from coordinator.ca import CERT_TTL, RunCA
 from coordinator.control import ControlPublisher, OperatorControl
 from coordinator.history import History, HistoryRecorder
+from coordinator.invites import Invites
 from coordinator.known_peers import KnownPeers
 from coordinator.view import SwarmReader, ViewHolder, empty_view
 from swarm.config import ConfigError, RunConfig
@@ -109,14 +111,16 @@ def serve_coordinator(
     join_token: str | None = None,
     ready_file: Path | None = None,
     tls: tuple[Path, Path] | None = None,
+    invite_only: bool = False,
     cert_ttl: datetime.timedelta = CERT_TTL,
 ) -> int:
     """`announce_host`: the address peers on other machines reach this one at, handed out in
-    /api/v1/join instead of the listening interfaces' addresses. `join_token`: what peers and
-    trainers must send to join (None: anyone may). `ready_file`: where to say, once HTTP serves,
-    at which URL and DHT addresses (swarm/ready.py). `tls`: (certificate, key) files to serve HTTPS
-    with (uvicorn's); None: plain HTTP. `cert_ttl`: how long member certificates are valid (members
-    renew them halfway)."""
+    /api/v1/join instead of the listening interfaces' addresses. `join_token`: a token peers and
+    trainers may send to join (the shared invite). `invite_only`: joining needs a token even without
+    a `join_token` (an invite's); with neither, anyone may join. `ready_file`: where to say, once HTTP
+    serves, at which URL and DHT addresses (swarm/ready.py). `tls`: (certificate, key) files to serve
+    HTTPS with (uvicorn's); None: plain HTTP. `cert_ttl`: how long member certificates are valid
+    (members renew them halfway)."""
     # Signals first arrive here; until the server is up, a signal just ends the start-up early.
     stop = threading.Event()
 
@@ -124,6 +128,7 @@ def serve_coordinator(
         stop.set()
 
     open_state_dir(state_dir)
+    invites = Invites(state_dir / "invites.json", shared_token=join_token, invite_only=invite_only)
     history = History(state_dir / "history.sqlite")
     recorder = HistoryRecorder(history)
     known = KnownPeers(state_dir / "peers.json")
@@ -132,7 +137,7 @@ def serve_coordinator(
     ca = RunCA.load_or_create(state_dir, run.run_id, cert_ttl)
     dht, member = start_dht(host, dht_port, state_dir, known, ca, announce_host)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    control = OperatorControl(token, state_dir / "control.json", on_event=recorder.control)
+    control = OperatorControl(token, invites, state_dir / "control.json", on_event=recorder.control)
     publisher = ControlPublisher(dht, run.run_id, control)
     reader: SwarmReader | None = None
     server: uvicorn.Server | None = None
@@ -146,7 +151,7 @@ def serve_coordinator(
         reader.start()
         publisher.start()
 
-        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, join_token=join_token, ca=ca)
+        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, ca=ca)
         cert, key = tls if tls else (None, None)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
         server = uvicorn.Server(config)
@@ -168,7 +173,7 @@ def serve_coordinator(
 
         bound = _bound_port(server, port)
         url = f"{'https' if tls else 'http'}://{host}:{bound}"
-        for secret, given in (("the join token", join_token), ("the operator token", token)):
+        for secret, given in (("the join token", join_token or invite_only), ("the operator token", token)):
             if given and (warning := cleartext_warning(url, secret)):
                 log.warning(warning)
         log.info(f"coordinator of run {run.run_id!r} at {url} (DHT {maddrs[0] if maddrs else '?'})")
