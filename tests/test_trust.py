@@ -25,7 +25,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from coordinator.ca import RunCA
 from swarm.cli import build_parser
 from swarm.client import StageClient
-from swarm.join import join_run
+from swarm.config import ConfigError
+from swarm.join import join_dht, join_run, request_certificate
 from swarm.records import (
     OWNER_MARKER,
     ControlState,
@@ -375,3 +376,36 @@ def test_a_stage_served_by_hand_asks_for_the_token_given_to_it(tmp_path):
     finally:
         for proc, _ in workers:
             proc.stop()
+
+
+def test_a_revoked_member_is_refused_within_10_s(guarded):
+    """A volunteer joins with an invite and calls a stage worker; the operator revokes the invite.
+    Within 10 s the worker refuses that member's calls, on the connection it already has, and the
+    coordinator refuses to renew its certificate."""
+    url, operator = guarded.url, {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+    minted = httpx.post(f"{url}/api/v1/invites", json={"name": "eve"}, headers=operator, timeout=10)
+    assert minted.status_code == 201, minted.text
+    token = minted.json()["token"]
+    run, _, dht, member = join_dht(url, "trainer", token, client_mode=True)
+    p0 = peer_record(wait_for_state(url, lambda s: peer_record(s, "p0")), "p0")
+    client = StageClient(p0["address"], run, member=member, peer_id=p0["peer_id"])
+    try:
+        assert client.info().stage == 0
+        revoked = httpx.post(f"{url}/api/v1/invites/eve/revoke", headers=operator, timeout=10)
+        assert revoked.status_code == 200 and revoked.json()["revoked"], revoked.text
+        started = time.monotonic()
+        while True:
+            try:
+                client.info()
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err
+                assert "revoked" in err.details()
+                break
+            assert time.monotonic() - started < 10.0, "a revoked member's calls were still answered after 10 s"
+            time.sleep(0.2)
+        with pytest.raises(ConfigError, match="403"):
+            request_certificate(url, member.key, "trainer", token)
+    finally:
+        client.close()
+        member.stop()
+        shutdown_dht(dht)
