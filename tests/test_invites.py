@@ -18,13 +18,13 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
 
 from coordinator.ca import peer_id_of
 from swarm.children import stop_all
-from swarm.records import PeerRecord, announce_peer, maddr_peer_ids, make_dht, read_removed
+from swarm.records import PeerRecord, announce_peer, maddr_peer_ids, read_removed
 from tests.conftest import CONFIGS, run_cli
-from tests.processes import Proc, free_port, start_coordinator, wait_for_state
+from tests.processes import Proc, free_port, member_dht, start_coordinator, wait_for_state
 
 TINY = CONFIGS / "tiny.toml"
 OPERATOR_TOKEN = "operator-secret"
@@ -67,20 +67,11 @@ def listing(url: str) -> dict:
     return httpx.get(f"{url}/api/v1/invites", timeout=5).json()
 
 
-def identity_file(key: rsa.RSAPrivateKey, path: Path) -> Path:
-    """`key` as a DHT identity file (libp2p's format), so that a DHT node runs with a key we hold."""
-    der = key.private_bytes(
-        serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
-    )  # PKCS#1, as p2pd reads it
-    path.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=der).SerializeToString())
-    return path
-
-
 def wait_removed(url: str, token: str, wanted: set[str], timeout: float = 10.0) -> float:
     """Seconds until a member DHT node, new now, joined with `token`, reads every peer id of `wanted`
     as removed by the coordinator at `url` (read_removed, as members do)."""
     maddrs = httpx.get(f"{url}/api/v1/join", headers=bearer(token), timeout=5).json()["initial_peers"]
-    member = make_dht(maddrs, client_mode=True)
+    member = member_dht(url, token)
     try:
         start = time.monotonic()
         while not wanted <= (seen := read_removed(member, "tiny", maddr_peer_ids(maddrs))):
@@ -202,7 +193,8 @@ def test_revocations_reach_the_dht_refuse_certificates_and_outlive_a_restart(tmp
     proc, url = start_coordinator(TINY, tmp_path / "c0.log", *args)
     port = int(url.rsplit(":", 1)[1])
     procs: list[Proc] = [proc]
-    invited_key, removed_key = new_key(), new_key()
+    removed = RSAPrivateKey()  # the removed peer's DHT node signs with it
+    invited_key, removed_key = new_key(), removed._private_key  # hivemind keeps the cryptography key there
     invited_id, removed_id = peer_id_of(invited_key.public_key()), peer_id_of(removed_key.public_key())
     try:
         # Invite-only, with no join token: nobody joins without an invite's token.
@@ -211,8 +203,7 @@ def test_revocations_reach_the_dht_refuse_certificates_and_outlive_a_restart(tmp
         assert certify(url, invited_key, bob["token"]).status_code == 200
 
         # A peer the operator removes: a DHT node with a key we hold announces itself on stage 0.
-        initial = httpx.get(f"{url}/api/v1/join", headers=bearer(carol["token"]), timeout=5).json()["initial_peers"]
-        node = make_dht(initial, identity_path=identity_file(removed_key, tmp_path / "removed.key"))
+        node = member_dht(url, carol["token"], record_key=removed, client_mode=False)  # a member, until removed
         try:
             assert announce_peer(node, "tiny", PeerRecord(peer_id=removed_id, stage=0, address="127.0.0.1:1"))
             wait_for_state(url, lambda s: any(p["peer_id"] == removed_id for p in s["stages"][0]["peers"]))
