@@ -33,6 +33,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.common import log_dir, start_coordinator, stop_all
 from benchmarks.results import append_row
+from swarm.join import join_run
 from swarm.records import PeerRecord, TrainerRecord, shutdown_dht, signer_peer_id, stage_key, trainers_key
 
 SECTION = "coordinator: /api/v1/state and /metrics latency with many peers in the DHT"
@@ -144,14 +145,16 @@ def run(args: argparse.Namespace) -> str:
         made = time.monotonic()
         keys = signing_keys(args.peers + 1)  # the last one the trainer's
         print(f"made {len(keys)} signing keys in {time.monotonic() - made:.1f} s", flush=True)
+        run_id = join["run_id"]
+        member = join_run(url, RSAPrivateKey(), "trainer", run_id)  # the run's DHT answers members only
         dht = hivemind.DHT(
             initial_peers=join["initial_peers"],
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
             client_mode=True,
             record_validators=[ManyOwners(keys)],
+            authorizer=member.authorizer(),
             start=True,
         )
-        run_id = join["run_id"]
         records = peer_records(keys[:-1], args.stages)
         began = time.monotonic()
         with ThreadPoolExecutor(max_workers=16) as pool:

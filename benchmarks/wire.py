@@ -16,6 +16,11 @@ included: [B, T, D] -> [B, T, D]). Weights are identical on both sides (determin
 
 Neither side takes an optimizer step during the benchmark (hivemind: optimizer=None; ours:
 training.global_batch set out of reach), so both only compute and accumulate gradients.
+
+TLS rows: the same worker of ours is also served over mutual TLS (a second server, with a member
+certificate of a run CA made for the benchmark; the client presents one too and checks the server's
+peer id, as a trainer in a run with a coordinator does), and each call is timed over TLS and over
+plaintext, alternated, so that the ratio tls / plaintext is the cost of the encryption alone.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import contextlib
 import multiprocessing as mp
 import os
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -54,6 +61,22 @@ CODECS = ("none", "fp16", "bf16", "int8")
 GOALS = {"noop": 0.3, "block": 0.7}  # wanted: ours / hivemind at most this
 STAGE = 1  # the middle stage of a 3-stage cut: [B, T, D] in and out
 HIVEMIND_MAX_BATCH = 64  # examples per hivemind batch (>= one request; a lone request is never held back)
+
+TLS_SECTION = "wire TLS: Forward / Forward+Backward round trip of our stage service, mutual TLS vs plaintext"
+TLS_COLUMNS = [
+    "module",
+    "codec",
+    "activation",
+    "plaintext fwd ms",
+    "tls fwd ms",
+    "ratio fwd",
+    "plaintext fwd+bwd ms",
+    "tls fwd+bwd ms",
+    "ratio fwd+bwd",
+    "notes",
+]
+TLS_GOAL = 1.10  # wanted: tls / plaintext at most this, for one block's Forward+Backward
+TLS_GOAL_MODULE = "block"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,28 +190,35 @@ def expert_uid(kind: str, codec: str) -> str:
 # -- the two servers, each in its own spawned process ------------------------------------------
 
 
-def _ours_main(config: str, pairs: list[tuple[str, str]], cache: bool, conn) -> None:
+def _ours_main(config: str, pairs: list[tuple[str, str]], cache: bool, ca_dir: str, conn) -> None:
+    """Each worker behind two servers: plaintext and mutual TLS (a peer certificate of the CA kept in
+    `ca_dir`). Sends the ports, (plaintext, tls) per pair, and the peer id the TLS servers present."""
     torch.set_num_threads(1)
+    from coordinator.ca import RunCA
     from peer.service import start_server
     from peer.worker import StageWorker
 
-    served = []
+    servers, workers = [], []
     try:
+        member = RunCA.load_or_create(Path(ca_dir), bench_run(config, "none").run_id).member("peer")
         ports = {}
         for kind, codec in pairs:
             worker = StageWorker(bench_run(config, codec, cache), STAGE, torch.device("cpu"))
+            workers.append(worker)
             if kind == "noop":
                 worker.stage.layers = nn.ModuleDict()
-            server, _, port = start_server(worker, "127.0.0.1", 0)
-            served.append((server, worker))
-            ports[(kind, codec)] = port
-        conn.send(("ok", ports))
+            plain, _, plain_port = start_server(worker, "127.0.0.1", 0)
+            tls, _, tls_port = start_server(worker, "127.0.0.1", 0, member=member)
+            servers += [plain, tls]
+            ports[(kind, codec)] = (plain_port, tls_port)
+        conn.send(("ok", (ports, member.peer_id)))
     except Exception as err:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"{type(err).__name__}: {err}"))
     with contextlib.suppress(EOFError):
         conn.recv()  # until told to stop (or the parent goes away)
-    for server, worker in served:
+    for server in servers:
         server.stop(grace=None)
+    for worker in workers:
         worker.close()
 
 
@@ -302,10 +332,10 @@ def hm_fwd_bwd(expert, x: torch.Tensor, g: torch.Tensor, codec: str):
 class Failures:
     """Calls that raised: retried (and left out of the timings), counted per side for the report."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.count = {"ours": 0, "hivemind": 0}
-        self.last = {"ours": "", "hivemind": ""}
+    def __init__(self, limit: int, sides: tuple[str, str] = ("ours", "hivemind")):
+        self.limit, self.sides = limit, sides
+        self.count = dict.fromkeys(sides, 0)
+        self.last = dict.fromkeys(sides, "")
 
     def call(self, side: str, f: Callable, *args) -> tuple[object, float]:
         """f(*args) and its duration in ms, retrying a failed call (up to `limit` failures per side)."""
@@ -331,13 +361,15 @@ class Failures:
 
 
 def timed_pair(fa: Callable, fb: Callable, warmup: int, reps: int, failures: Failures) -> tuple[float, float]:
-    """Median ms of ours (`fa`) and hivemind (`fb`), interleaved (alternating which goes first)."""
+    """Median ms of `fa` and `fb` (the first and second of `failures.sides`), interleaved (alternating
+    which goes first)."""
+    a, b = failures.sides
     for i in range(warmup):
-        failures.call("ours", fa, -1 - 2 * i)
-        failures.call("hivemind", fb, -2 - 2 * i)
+        failures.call(a, fa, -1 - 2 * i)
+        failures.call(b, fb, -2 - 2 * i)
     ta, tb = [], []
     for i in range(reps):
-        order = [("ours", fa, ta), ("hivemind", fb, tb)]
+        order = [(a, fa, ta), (b, fb, tb)]
         for side, f, times in order if i % 2 == 0 else order[::-1]:
             times.append(failures.call(side, f, i)[1])
     return statistics.median(ta), statistics.median(tb)
@@ -364,6 +396,11 @@ def run(args: argparse.Namespace) -> str:
     torch.set_num_threads(1)
 
     _import_hivemind()  # before anything else imports it: USE_LEGACY_BFLOAT16=0 must take effect
+    from coordinator.ca import RunCA
+
+    # A run CA for the TLS rows, made here before the server process loads it (it certifies its peer).
+    ca_dir = tempfile.TemporaryDirectory(prefix="swarm-wire-ca-")
+    trainer = RunCA.load_or_create(Path(ca_dir.name), base.run_id).member("trainer")
     int8_error = hivemind_int8_error() if "int8" in codecs else None
     load = os.getloadavg()[0]
     hm_of = {c: hivemind_codec(c, int8_error is None) for c in codecs}
@@ -377,16 +414,21 @@ def run(args: argparse.Namespace) -> str:
     )
     if int8_error:
         print(f"  hivemind int8: {int8_error}; our int8 is compared with hivemind fp16", flush=True)
-    print("  starting our stage servers and hivemind's server (spawned, 1 torch thread each) ...", flush=True)
+    print(
+        "  starting our stage servers (plaintext and mutual TLS) and hivemind's server "
+        "(spawned, 1 torch thread each) ...",
+        flush=True,
+    )
     children: list[Child] = []
-    hm_dht = channels = experts = None
-    rows, summary = [], []
+    hm_dht = experts = None
+    clients = []
+    rows, summary, tls_summary = [], [], []
     try:
-        ours_child = Child("ours-server", _ours_main, args.config, ours_pairs, cache)
+        ours_child = Child("ours-server", _ours_main, args.config, ours_pairs, cache, ca_dir.name)
         children.append(ours_child)
         hm_child = Child("hivemind-server", _hivemind_main, args.config, hm_pairs, shape)
         children.append(hm_child)
-        ports = ours_child.ready()
+        ports, server_peer_id = ours_child.ready()
         peer_bytes, maddrs = hm_child.ready()
 
         # hivemind's client first: its DHT forks, which must happen before any gRPC channel exists.
@@ -404,9 +446,13 @@ def run(args: argparse.Namespace) -> str:
 
         from swarm.client import StageClient
 
-        channels = {
-            pair: StageClient(f"127.0.0.1:{ports[pair]}", bench_run(args.config, pair[1], cache)) for pair in ours_pairs
-        }
+        channels, tls_channels = {}, {}
+        for pair in ours_pairs:
+            pair_run = bench_run(args.config, pair[1], cache)
+            plain_port, tls_port = ports[pair]
+            channels[pair] = StageClient(f"127.0.0.1:{plain_port}", pair_run)
+            tls_channels[pair] = StageClient(f"127.0.0.1:{tls_port}", pair_run, member=trainer, peer_id=server_peer_id)
+            clients += [channels[pair], tls_channels[pair]]
 
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(shape, generator=gen)
@@ -487,14 +533,21 @@ def run(args: argparse.Namespace) -> str:
                     "; ".join(notes),
                 ]
                 rows.append(append_row(SECTION, COLUMNS, values))
-                summary.append((kind, codec, hc, f_ours, f_hm, r_f, fb_ours, fb_hm, r_fb, goal, failures.note()))
+                ok = "ok" if max(r_f, r_fb) <= goal else "MISSED"
+                cells = [kind, codec, hc, f_ours, f_hm, r_f, fb_ours, fb_hm, r_fb]
+                summary.append(([*cells, f"{ok} {goal}"], failures.note() and f"{kind} {codec}: {failures.note()}"))
                 print(
                     f"  {label}: fwd {f_ours:.2f} vs {f_hm:.2f} ms (x{r_f:.2f}), "
                     f"fwd+bwd {fb_ours:.2f} vs {fb_hm:.2f} ms (x{r_fb:.2f})",
                     flush=True,
                 )
+                row, line = measure_tls(
+                    client, tls_channels[(kind, codec)], kind, codec, x, g, (o_ours, gi_ours), args, act, load
+                )
+                rows.append(row)
+                tls_summary.append(line)
     finally:
-        for client in (channels or {}).values():
+        for client in clients:
             client.close()
         if experts:
             # Close the client's p2p replica on its own loop (else its finalizers complain at exit).
@@ -505,21 +558,90 @@ def run(args: argparse.Namespace) -> str:
             hm_dht.shutdown()
         for child in reversed(children):
             child.stop()
+        ca_dir.cleanup()
 
-    _print_summary(summary, act)
+    _print_table(
+        f"median round trip, ms ({act}); ratio = ours / hivemind; goal <= 0.3 (noop), <= 0.7 (block)",
+        ("module", "codec", "hivemind", "ours fwd", "hm fwd", "ratio", "ours f+b", "hm f+b", "ratio", "goal"),
+        summary,
+    )
+    _print_table(
+        f"median round trip, ms ({act}); ratio = tls / plaintext; goal <= {TLS_GOAL} ({TLS_GOAL_MODULE} fwd+bwd)",
+        ("module", "codec", "plain fwd", "tls fwd", "ratio", "plain f+b", "tls f+b", "ratio", "goal"),
+        tls_summary,
+    )
     return "\n".join(rows)
 
 
-def _print_summary(summary: list[tuple], act: str) -> None:
-    print(f"\nmedian round trip, ms ({act}); ratio = ours / hivemind; goal <= 0.3 (noop), <= 0.7 (block)")
-    head = ("module", "codec", "hivemind", "ours fwd", "hm fwd", "ratio", "ours f+b", "hm f+b", "ratio", "goal")
+def measure_tls(
+    plain,
+    tls,
+    kind: str,
+    codec: str,
+    x: torch.Tensor,
+    g: torch.Tensor,
+    reference: tuple,
+    args: argparse.Namespace,
+    act: str,
+    load: float,
+) -> tuple[str, tuple[list, str]]:
+    """The TLS row of one (module, codec): the same worker called through `plain` and `tls` (its
+    plaintext and mutual-TLS servers), alternated. `reference`: the plaintext output and input grad.
+    Returns the row and its line of the summary table."""
+    label = f"{kind:5s} {codec:4s}"
+    failures = Failures(limit=max(3, args.reps // 5), sides=("plaintext", "tls"))
+    (out, grad), _ = failures.call("tls", ours_fwd_bwd, tls, x, g, codec, "tls-check")
+    if not (torch.equal(out, reference[0]) and torch.equal(grad, reference[1])):
+        print(f"  WARNING: {label}: the worker answered differently over TLS than over plaintext")
+    print(f"  {label}: Forward, plaintext vs TLS ...", flush=True)
+    f_plain, f_tls = timed_pair(
+        lambda i: ours_forward(plain, x, codec, f"plain-f{i}"),
+        lambda i: ours_forward(tls, x, codec, f"tls-f{i}"),
+        args.warmup,
+        args.reps,
+        failures,
+    )
+    print(f"  {label}: Forward+Backward, plaintext vs TLS ...", flush=True)
+    fb_plain, fb_tls = timed_pair(
+        lambda i: ours_fwd_bwd(plain, x, g, codec, f"plain-fb{i}"),
+        lambda i: ours_fwd_bwd(tls, x, g, codec, f"tls-fb{i}"),
+        args.warmup,
+        args.reps,
+        failures,
+    )
+    r_f, r_fb = f_tls / f_plain, fb_tls / fb_plain
+    if kind == TLS_GOAL_MODULE:
+        goal = f"goal ratio <= {TLS_GOAL} for fwd+bwd: {'met' if r_fb <= TLS_GOAL else 'not met'}"
+        met = f"{'ok' if r_fb <= TLS_GOAL else 'MISSED'} {TLS_GOAL}"
+    else:
+        met = "-"
+        goal = f"no goal (the transport alone; goal ratio <= {TLS_GOAL} is for one {TLS_GOAL_MODULE}'s fwd+bwd)"
+    notes = [
+        goal,
+        "one worker behind a plaintext and a mutual-TLS server (run CA EC P-256, member keys RSA-2048; "
+        "the client checks the server's peer id), calls alternated",
+    ]
+    if failures.note():
+        notes.append(failures.note())
+    notes.append(
+        f"median of {args.reps}, loopback, 1 torch thread per process, no optimizer step; load avg {load:.1f} at start"
+    )
+    values = [kind, codec, act, *(f"{v:.2f}" for v in (f_plain, f_tls, r_f, fb_plain, fb_tls, r_fb)), "; ".join(notes)]
+    row = append_row(TLS_SECTION, TLS_COLUMNS, values)
+    print(
+        f"  {label}: fwd {f_tls:.2f} vs {f_plain:.2f} ms plaintext (x{r_f:.2f}), "
+        f"fwd+bwd {fb_tls:.2f} vs {fb_plain:.2f} ms plaintext (x{r_fb:.2f})",
+        flush=True,
+    )
+    cells = [kind, codec, f_plain, f_tls, r_f, fb_plain, fb_tls, r_fb, met]
+    return row, (cells, failures.note() and f"{kind} {codec}: {failures.note()}")
+
+
+def _print_table(title: str, head: tuple[str, ...], lines: list[tuple[list, str]]) -> None:
+    """A summary table: `lines` are (cells, a note or ""); numbers are printed with 2 decimals."""
+    print(f"\n{title}")
     print("  ".join(f"{h:>9s}" for h in head))
-    notes = []
-    for kind, codec, hc, f_o, f_h, r_f, fb_o, fb_h, r_fb, goal, failed in summary:
-        if failed:
-            notes.append(f"  {kind} {codec}: {failed}")
-        ok = "ok" if max(r_f, r_fb) <= goal else "MISSED"
-        cells = [kind, codec, hc, f"{f_o:.2f}", f"{f_h:.2f}", f"{r_f:.2f}", f"{fb_o:.2f}", f"{fb_h:.2f}", f"{r_fb:.2f}"]
-        print("  ".join(f"{c:>9s}" for c in [*cells, f"{ok} {goal}"]))
-    print("\n".join(notes))
-    print()
+    for cells, _ in lines:
+        print("  ".join(f"{c:>9.2f}" if isinstance(c, float) else f"{c:>9s}" for c in cells))
+    notes = [f"  {note}" for _, note in lines if note]
+    print("\n".join([*notes, ""]))

@@ -9,6 +9,7 @@ only record the decision in the OperatorControl (coordinator.control), which sto
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime, and
 # the dependency alias they use is local to control_router.
 import hmac
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException
@@ -39,8 +40,13 @@ def token_matches(credentials: HTTPAuthorizationCredentials | None, token: str) 
     return hmac.compare_digest(given, token.encode())
 
 
-def control_router(view_holder: ViewHolder, control: OperatorControl | None) -> APIRouter:
-    """The operator's endpoints; `control` None (or without a token) disables them (403)."""
+# What an operator's endpoint may answer besides its own responses.
+REFUSED: dict[int | str, dict] = {401: {"model": ErrorDetail}, 403: {"model": ErrorDetail}}
+
+
+def operator_of(control: OperatorControl | None) -> Callable[..., OperatorControl]:
+    """The dependency that lets only the operator through; `control` None (or without a token)
+    disables every endpoint that uses it (403)."""
 
     def operator(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> OperatorControl:
         if control is None or control.token is None:
@@ -53,9 +59,13 @@ def control_router(view_holder: ViewHolder, control: OperatorControl | None) -> 
             )
         return control
 
-    Operator = Annotated[OperatorControl, Depends(operator)]
-    refused = {401: {"model": ErrorDetail}, 403: {"model": ErrorDetail}}
-    router = APIRouter(prefix="/api/v1", tags=["operator"], responses=refused)
+    return operator
+
+
+def control_router(view_holder: ViewHolder, control: OperatorControl | None) -> APIRouter:
+    """The operator's endpoints; `control` None (or without a token) disables them (403)."""
+    Operator = Annotated[OperatorControl, Depends(operator_of(control))]
+    router = APIRouter(prefix="/api/v1", tags=["operator"], responses=REFUSED)
 
     @router.post("/control/pause", response_model=PauseState, summary="Pause training after the current step")
     def pause(op: Operator) -> PauseState:

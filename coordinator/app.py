@@ -7,12 +7,13 @@ DHT never stalls the API.
 
 from __future__ import annotations
 
+import base64
 import math
 import time
 from pathlib import Path
 from typing import Annotated, Literal
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
@@ -20,18 +21,23 @@ from pydantic import BaseModel, Field
 
 from coordinator.api_control import ErrorDetail, control_router, token_matches
 from coordinator.api_history import history_router
-from coordinator.ca import CertificateError, RunCA, identity_of, load_public_key
+from coordinator.api_invites import invites_router
+from coordinator.ca import RunCA
 from coordinator.control import OperatorControl
 from coordinator.history import History, point_of
+from coordinator.invites import InviteError, InviteRefused, Invites, UnknownInvite
 from coordinator.metrics import metrics_router
 from coordinator.view import ViewHolder
 from swarm import __version__
 from swarm.config import RunConfig
+from swarm.identity import CertificateError, identity_of, load_public_key, peer_id_of
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
 
 STATIC_DIR = Path(__file__).parent / "static"  # the dashboard: index.html, app.js, chart.js, style.css
 join_bearer = HTTPBearer(
-    auto_error=False, scheme_name="JoinToken", description="the token given to `swarm coordinator --join-token`"
+    auto_error=False,
+    scheme_name="JoinToken",
+    description="the token given to `swarm coordinator --join-token`, or an invite's (`swarm coordinator invite`)",
 )
 
 
@@ -55,6 +61,7 @@ class CertificateResponse(BaseModel):
     ca: str = Field(description="PEM: the run CA's certificate, the root every member checks others against")
     peer_id: str = Field(description="the peer id the certificate names, derived from the key")
     expires: float = Field(description="unix time after which the certificate is no longer valid")
+    dht_token: str = Field(description="base64: the joiner's DHT access token (hivemind's AccessToken)")
 
 
 class JoinResponse(BaseModel):
@@ -124,41 +131,62 @@ def build_state(run: RunConfig, view: SwarmView, now: float | None = None, pause
     )
 
 
+def without_dht_addresses(state: StateResponse) -> StateResponse:
+    """The state as anyone may read it: no peer's DHT addresses (a way into the run's DHT)."""
+    stages = [
+        stage.model_copy(update={"peers": [p.model_copy(update={"dht_addrs": []}) for p in stage.peers]})
+        for stage in state.stages
+    ]
+    return state.model_copy(update={"stages": stages})
+
+
 def create_app(
     run: RunConfig,
     view_holder: ViewHolder,
     join_info: JoinInfo,
     control: OperatorControl | None = None,
     history: History | None = None,
-    join_token: str | None = None,
     ca: RunCA | None = None,
 ) -> FastAPI:
-    """The coordinator's HTTP app; without a `history` store it keeps the history in memory only. With
-    a `join_token`, /api/v1/join answers only requests that carry it (reading the swarm stays open)."""
+    """The coordinator's HTTP app; without a `history` store it keeps the history in memory only. When
+    the control's invites guard the run (a join token, or invite-only), /api/v1/join and
+    /api/v1/certificate answer only requests that carry a valid token (reading the swarm stays open).
+    Without `control`, an open run that nobody controls."""
     history = history if history is not None else History(Path(":memory:"))
+    invites = control.invites if control is not None else Invites(None)
     app = FastAPI(
         title=f"swarm coordinator: run {run.run_id}",
         version=__version__,
         description="Join a SWARM training run and watch its pipeline stages.",
     )
 
-    def joiner(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(join_bearer)]) -> None:
-        if join_token is not None and not token_matches(credentials, join_token):
+    def joiner(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(join_bearer)]) -> str:
+        """The name of the invite whose token the request carries."""
+        try:
+            return invites.admit(credentials.credentials if credentials is not None else "")
+        except UnknownInvite:
             raise HTTPException(
                 401,
                 "missing or wrong join token: this run needs the join token its operator gave out "
                 "(send 'Authorization: Bearer TOKEN'; swarm peer --join-token, or $SWARM_JOIN_TOKEN)",
                 headers={"WWW-Authenticate": "Bearer"},
-            )
+            ) from None
+        except InviteRefused as err:
+            raise HTTPException(403, str(err)) from None
+
+    def anyone() -> None:
+        """An open run's joiner: under no invite."""
 
     # An open run declares no security on /api/v1/join, so its schema says what it does.
-    guarded = join_token is not None
+    guarded = invites.guarded
+    admitted = joiner if guarded else anyone
+    refused = {401: {"model": ErrorDetail}, 403: {"model": ErrorDetail}} if guarded else {}
 
     @app.get(
         "/api/v1/join",
         response_model=JoinResponse,
-        responses={401: {"model": ErrorDetail}} if guarded else {},
-        dependencies=[Depends(joiner)] if guarded else [],
+        responses=refused,
+        dependencies=[Depends(admitted)],
         summary="How to join this run",
     )
     def join() -> JoinResponse:
@@ -169,28 +197,68 @@ def create_app(
         @app.post(
             "/api/v1/certificate",
             response_model=CertificateResponse,
-            responses={422: {"model": ErrorDetail}, **({401: {"model": ErrorDetail}} if guarded else {})},
-            dependencies=[Depends(joiner)] if guarded else [],
-            summary="Certify a joiner's DHT identity as a member of this run",
+            responses={422: {"model": ErrorDetail}, 403: {"model": ErrorDetail}, **refused},
+            summary="Certify a joiner's DHT identity as a member of this run (counted against its invite)",
         )
-        def certificate(request: CertificateRequest) -> CertificateResponse:
+        def certificate(
+            request: CertificateRequest,
+            # A default, not Annotated: this module's annotations are strings, and `admitted` is local.
+            invite: str | None = Depends(admitted),  # noqa: B008
+        ) -> CertificateResponse:
             try:
-                issued = ca.issue(load_public_key(request.public_key), request.role)
+                key = load_public_key(request.public_key)
+                invites.count(invite, peer_id_of(key))  # a revoked peer, or one identity too many: refused
+                issued = ca.issue(key, request.role)
             except CertificateError as err:
                 raise HTTPException(422, str(err)) from None
-            member = identity_of(issued, ca.cert, run.run_id)
+            except InviteRefused as err:
+                raise HTTPException(403, str(err)) from None
+            member = identity_of(issued.certificate, ca.cert, run.run_id)
             return CertificateResponse(
-                certificate=issued, ca=ca.cert_pem, peer_id=member.peer_id, expires=member.not_after.timestamp()
+                certificate=issued.certificate,
+                ca=issued.ca,
+                peer_id=member.peer_id,
+                expires=issued.expires,
+                dht_token=base64.b64encode(issued.dht_token).decode(),
             )
 
-    @app.get("/api/v1/state", response_model=StateResponse, summary="The swarm as last read from the DHT")
-    def state() -> StateResponse:
+    def insider(request: Request) -> bool:
+        # The operator, or a joiner with the run's token: who may see where the peers' DHT nodes listen.
+        # Read from the header itself: as a security dependency, the token would look required to
+        # every client of the API, while anyone may read the state.
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme != "Bearer" or not given:
+            return False
+        if (
+            control is not None
+            and control.token
+            and token_matches(HTTPAuthorizationCredentials(scheme=scheme, credentials=given), control.token)
+        ):
+            return True
+        try:
+            invites.admit(given)
+        except InviteError:
+            return False
+        return True
+
+    @app.get(
+        "/api/v1/state",
+        response_model=StateResponse,
+        summary="The swarm as last read from the DHT",
+        description="The peers' DHT addresses are listed only to the operator and to holders of the join token.",
+    )
+    def state(full: bool = Depends(insider)) -> StateResponse:  # noqa: B008 (a local dependency)
+        current = current_state()
+        return current if full else without_dht_addresses(current)
+
+    def current_state() -> StateResponse:
         return build_state(run, view_holder.get(), paused=view_holder.control().paused)
 
     app.include_router(history_router(history))  # /api/v1/history, /api/v1/events (coordinator.api_history)
-    app.include_router(metrics_router(state))  # /metrics (coordinator.metrics)
+    app.include_router(metrics_router(current_state))  # /metrics (coordinator.metrics)
 
     app.include_router(control_router(view_holder, control))  # operator-only (coordinator.api_control)
+    app.include_router(invites_router(invites, control))  # /api/v1/invites (coordinator.api_invites)
 
     # The live dashboard: static files shipped in the package, polling the API above.
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

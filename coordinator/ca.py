@@ -13,76 +13,46 @@ All cryptography is the `cryptography` package's (installed with hivemind).
 from __future__ import annotations
 
 import datetime
-import hashlib
+import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
-import multihash
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
-from hivemind.p2p import PeerID
-from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
 
-Role = Literal["peer", "trainer", "coordinator"]
-ROLES: tuple[str, ...] = get_args(Role)
+from swarm.identity import (
+    ROLES,
+    CertificateError,
+    Issued,
+    Member,
+    Role,
+    load_public_key,
+    member_uri,
+    now_utc,
+    peer_id_of,
+    public_pem,
+    sign_token,
+)
+
 CERT_TTL = datetime.timedelta(hours=24)
 CA_TTL = datetime.timedelta(days=3650)
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # certificates start this early: members' clocks differ
-URI_SCHEME = "swarm"  # a member's certificate names it as swarm://RUN_ID/ROLE/PEER_ID
-
-
-class CertificateError(ValueError):
-    """A certificate or a key that does not make its holder a member of the run; the message says why."""
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What a valid member certificate says."""
-
-    run_id: str
-    role: Role
-    peer_id: str
-    not_after: datetime.datetime
-
-
-def peer_id_of(public_key: rsa.RSAPublicKey) -> str:
-    """The libp2p peer id of an RSA public key (base58), as hivemind's DHT derives it from the node's
-    identity. hivemind only derives one from a private key (`PeerID.from_identity`); this is the same
-    rule for the public half: sha2-256 multihash of the key's protobuf `PublicKey` encoding."""
-    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
-    return PeerID(digest).to_base58()
-
-
-def load_public_key(pem: bytes | str) -> rsa.RSAPublicKey:
-    """A joiner's DHT public key from PEM; CertificateError when it is not an RSA public key."""
-    try:
-        key = serialization.load_pem_public_key(pem.encode() if isinstance(pem, str) else pem)
-    except ValueError as err:
-        raise CertificateError(f"public_key: not a PEM public key ({err})") from None
-    if not isinstance(key, rsa.RSAPublicKey):
-        raise CertificateError("public_key: not an RSA key (a DHT identity is RSA)")
-    return key
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
 
 
 class RunCA:
     """Issues and checks the run's member certificates."""
 
-    def __init__(self, run_id: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate):
-        self.run_id, self.key, self.cert = run_id, key, cert
+    def __init__(
+        self, run_id: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, ttl: datetime.timedelta = CERT_TTL
+    ):
+        """`ttl`: how long the member certificates it issues are valid (members renew them halfway)."""
+        self.run_id, self.key, self.cert, self.ttl = run_id, key, cert, ttl
 
     @classmethod
-    def load_or_create(cls, state_dir: Path, run_id: str) -> RunCA:
+    def load_or_create(cls, state_dir: Path, run_id: str, ttl: datetime.timedelta = CERT_TTL) -> RunCA:
         """The CA kept in `state_dir`, made there the first time. A CA of another run is refused."""
         key_path, cert_path = Path(state_dir) / "ca.key", Path(state_dir) / "ca.pem"
         if key_path.exists() and cert_path.exists():
@@ -93,7 +63,7 @@ class RunCA:
                 raise CertificateError(f"{cert_path}: the CA of another run, not of {run_id!r}")
             if not isinstance(key, ec.EllipticCurvePrivateKey):
                 raise CertificateError(f"{key_path}: not the CA's key")
-            return cls(run_id, key, cert)
+            return cls(run_id, key, cert, ttl)
         key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name(
             [
@@ -101,7 +71,7 @@ class RunCA:
                 x509.NameAttribute(NameOID.COMMON_NAME, f"swarm run {run_id} CA"),
             ]
         )
-        now = _now()
+        now = now_utc()
         cert = (
             x509.CertificateBuilder()
             .subject_name(name)
@@ -137,18 +107,20 @@ class RunCA:
                 )
             )
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        return cls(run_id, key, cert)
+        return cls(run_id, key, cert, ttl)
 
     @property
     def cert_pem(self) -> str:
         return self.cert.public_bytes(serialization.Encoding.PEM).decode()
 
-    def issue(self, public_key: rsa.RSAPublicKey, role: Role, ttl: datetime.timedelta = CERT_TTL) -> str:
-        """A member certificate (PEM) for the DHT identity `public_key`, in `role`, valid for `ttl`."""
+    def issue(self, public_key: rsa.RSAPublicKey, role: Role, ttl: datetime.timedelta | None = None) -> Issued:
+        """A member certificate for the DHT identity `public_key`, in `role`, valid for `ttl` (default:
+        the CA's), with the DHT access token for the same key and lifetime."""
         if role not in ROLES:
             raise CertificateError(f"role: {role!r} is not one of {', '.join(ROLES)}")
         peer_id = peer_id_of(public_key)
-        now = _now()
+        now = now_utc()
+        expires = now + (self.ttl if ttl is None else ttl)
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer_id)]))
@@ -156,47 +128,28 @@ class RunCA:
             .public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - CLOCK_SKEW)
-            .not_valid_after(now + ttl)
+            .not_valid_after(expires)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(member_uri(self.run_id, role, peer_id))]),
+                # The DNS name is the peer id, so that a caller's TLS handshake checks the id it routed
+                # to (gRPC's target name override); the URI says the run and the role.
+                x509.SubjectAlternativeName(
+                    [x509.DNSName(peer_id), x509.UniformResourceIdentifier(member_uri(self.run_id, role, peer_id))]
+                ),
                 critical=False,
             )
             .sign(self.key, hashes.SHA256())
         )
-        return cert.public_bytes(serialization.Encoding.PEM).decode()
-
-
-def member_uri(run_id: str, role: str, peer_id: str) -> str:
-    return f"{URI_SCHEME}://{run_id}/{role}/{peer_id}"
-
-
-def identity_of(cert_pem: bytes | str, root: x509.Certificate, run_id: str) -> Identity:
-    """What a member certificate says, once checked: issued by `root`, for `run_id`, valid now, and
-    naming the peer id of the very key it certifies. CertificateError says what failed."""
-    try:
-        cert = x509.load_pem_x509_certificate(cert_pem.encode() if isinstance(cert_pem, str) else cert_pem)
-    except ValueError as err:
-        raise CertificateError(f"not a PEM certificate ({err})") from None
-    try:
-        cert.verify_directly_issued_by(root)
-    except (ValueError, TypeError, InvalidSignature):
-        raise CertificateError("not issued by this run's CA") from None
-    now = _now()
-    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
-        raise CertificateError(f"not valid now (valid {cert.not_valid_before_utc} to {cert.not_valid_after_utc})")
-    try:
-        uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.UniformResourceIdentifier
+        return Issued(
+            certificate=cert.public_bytes(serialization.Encoding.PEM).decode(),
+            ca=self.cert_pem,
+            expires=expires.timestamp(),
+            dht_token=sign_token(self.key, self.run_id, public_key, expires.timestamp()),
         )
-    except x509.ExtensionNotFound:
-        uris = []
-    prefix = f"{URI_SCHEME}://{run_id}/"
-    named = [u[len(prefix) :].split("/") for u in uris if u.startswith(prefix)]
-    if len(named) != 1 or len(named[0]) != 2 or named[0][0] not in ROLES:
-        raise CertificateError(f"names no member of run {run_id!r}")
-    role, peer_id = named[0]
-    key = cert.public_key()
-    if not isinstance(key, rsa.RSAPublicKey) or peer_id_of(key) != peer_id:
-        raise CertificateError("names a peer id that is not its key's")
-    return Identity(run_id=run_id, role=role, peer_id=peer_id, not_after=cert.not_valid_after_utc)  # type: ignore[arg-type]
+
+    def member(self, role: Role, key: RSAPrivateKey | None = None) -> Member:
+        """A member of this run certified here directly, renewed here: the coordinator's own DHT node
+        (with its identity `key`), or a stand-alone one (a fresh key) for a test or a benchmark."""
+        key = key if key is not None else RSAPrivateKey()
+        renew = functools.partial(self.issue, load_public_key(public_pem(key)), role)
+        return Member(self.run_id, role, key, renew(), renew)

@@ -1,7 +1,8 @@
 """`swarm coordinator`: the run's first DHT node, a background reader of the swarm, and the REST API.
 
 What outlives the process lies in the state directory: the DHT identity (`dht.key`), the peers'
-DHT addresses last seen (`peers.json`), the operator's pause (`control.json`) and the run's
+DHT addresses last seen (`peers.json`), the operator's pause (`control.json`), the run CA (`ca.key`,
+`ca.pem`), the invites and revoked peers (`invites.json`, see coordinator.invites) and the run's
 history of progress points and events (`history.sqlite`, see coordinator.history). A coordinator
 started again on the same ports with the same state directory has the same multiaddrs and finds
 the running swarm at once; training never needed it.
@@ -13,6 +14,8 @@ thread and shuts the DHT down (its child process and the p2pd daemon with it), a
 
 from __future__ import annotations
 
+import datetime
+import functools
 import logging
 import signal
 import tempfile
@@ -25,15 +28,17 @@ import uvicorn
 from hivemind.p2p import P2PDaemonError
 
 from coordinator.app import JoinInfo, create_app
-from coordinator.ca import RunCA
+from coordinator.ca import CERT_TTL, RunCA
 from coordinator.control import ControlPublisher, OperatorControl
 from coordinator.history import History, HistoryRecorder
+from coordinator.invites import Invites
 from coordinator.known_peers import KnownPeers
 from coordinator.view import SwarmReader, ViewHolder, empty_view
 from swarm.config import ConfigError, RunConfig
+from swarm.identity import Member
 from swarm.net import cleartext_warning
 from swarm.ready import CoordinatorReady, write_ready
-from swarm.records import make_dht, shutdown_dht, visible_maddrs
+from swarm.records import identity_key, make_dht, read_removed, shutdown_dht, visible_maddrs
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +67,25 @@ def _bound_port(server: uvicorn.Server, default: int) -> int:
 
 
 def start_dht(
-    host: str, dht_port: int, state_dir: Path, known: KnownPeers, announce_host: str | None = None
-) -> hivemind.DHT:
+    host: str, dht_port: int, state_dir: Path, known: KnownPeers, ca: RunCA, announce_host: str | None = None
+) -> tuple[hivemind.DHT, Member]:
     """The coordinator's DHT node, with the identity kept in `state_dir/dht.key` (so, on the same
-    port, the same multiaddrs as before a restart), bootstrapped from the peers it saw last."""
+    port, the same multiaddrs as before a restart), bootstrapped from the peers it saw last, and its
+    membership of the run, certified by the run's `ca` (the node answers members only)."""
     identity = state_dir / "dht.key"
+    member = ca.member("coordinator", identity_key(identity))
+    options = dict(identity_path=identity, announce_host=announce_host, authorizer=member.authorizer())
     initial = known.load()
+    dht = None
     if initial:
         try:
-            return make_dht(initial, host, dht_port, identity_path=identity, announce_host=announce_host)
+            dht = make_dht(initial, host, dht_port, **options)
         except P2PDaemonError as err:  # all of them gone: this is a new swarm, or a new start of it
             log.warning(f"coordinator: none of the {len(initial)} saved peers answers ({err}); starting afresh")
-    return make_dht(None, host, dht_port, identity_path=identity, announce_host=announce_host)
+    if dht is None:
+        dht = make_dht(None, host, dht_port, **options)
+    member.start(dht, functools.partial(read_removed, dht, ca.run_id, {dht.peer_id.to_base58()}))
+    return dht, member
 
 
 def open_state_dir(path: Path) -> Path:
@@ -99,12 +111,16 @@ def serve_coordinator(
     join_token: str | None = None,
     ready_file: Path | None = None,
     tls: tuple[Path, Path] | None = None,
+    invite_only: bool = False,
+    cert_ttl: datetime.timedelta = CERT_TTL,
 ) -> int:
     """`announce_host`: the address peers on other machines reach this one at, handed out in
-    /api/v1/join instead of the listening interfaces' addresses. `join_token`: what peers and
-    trainers must send to join (None: anyone may). `ready_file`: where to say, once HTTP serves,
-    at which URL and DHT addresses (swarm/ready.py). `tls`: (certificate, key) files to serve HTTPS
-    with (uvicorn's); None: plain HTTP."""
+    /api/v1/join instead of the listening interfaces' addresses. `join_token`: a token peers and
+    trainers may send to join (the shared invite). `invite_only`: joining needs a token even without
+    a `join_token` (an invite's); with neither, anyone may join. `ready_file`: where to say, once HTTP
+    serves, at which URL and DHT addresses (swarm/ready.py). `tls`: (certificate, key) files to serve
+    HTTPS with (uvicorn's); None: plain HTTP. `cert_ttl`: how long member certificates are valid
+    (members renew them halfway)."""
     # Signals first arrive here; until the server is up, a signal just ends the start-up early.
     stop = threading.Event()
 
@@ -112,14 +128,16 @@ def serve_coordinator(
         stop.set()
 
     open_state_dir(state_dir)
+    invites = Invites(state_dir / "invites.json", shared_token=join_token, invite_only=invite_only)
     history = History(state_dir / "history.sqlite")
     recorder = HistoryRecorder(history)
     known = KnownPeers(state_dir / "peers.json")
     # The DHT's process is forked before our handlers are installed, so it keeps the default
     # SIGTERM action (a signal to the whole process group ends it directly).
-    dht = start_dht(host, dht_port, state_dir, known, announce_host)
+    ca = RunCA.load_or_create(state_dir, run.run_id, cert_ttl)
+    dht, member = start_dht(host, dht_port, state_dir, known, ca, announce_host)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    control = OperatorControl(token, state_dir / "control.json", on_event=recorder.control)
+    control = OperatorControl(token, invites, state_dir / "control.json", on_event=recorder.control)
     publisher = ControlPublisher(dht, run.run_id, control)
     reader: SwarmReader | None = None
     server: uvicorn.Server | None = None
@@ -133,8 +151,7 @@ def serve_coordinator(
         reader.start()
         publisher.start()
 
-        ca = RunCA.load_or_create(state_dir, run.run_id)
-        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, join_token=join_token, ca=ca)
+        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, ca=ca)
         cert, key = tls if tls else (None, None)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
         server = uvicorn.Server(config)
@@ -156,7 +173,7 @@ def serve_coordinator(
 
         bound = _bound_port(server, port)
         url = f"{'https' if tls else 'http'}://{host}:{bound}"
-        for secret, given in (("the join token", join_token), ("the operator token", token)):
+        for secret, given in (("the join token", join_token or invite_only), ("the operator token", token)):
             if given and (warning := cleartext_warning(url, secret)):
                 log.warning(warning)
         log.info(f"coordinator of run {run.run_id!r} at {url} (DHT {maddrs[0] if maddrs else '?'})")
@@ -189,6 +206,7 @@ def serve_coordinator(
             reader.stop(timeout=2.0)
         history.close()
         publisher.stop(timeout=2.0)
+        member.stop()
         shutdown_dht(dht)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -42,6 +42,7 @@ from peer.throughput import cached_throughput
 from peer.worker import StageWorker
 from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
+from swarm.identity import Member
 from swarm.join import join_dht
 from swarm.placement import pick_stage
 from swarm.ready import PeerReady, write_ready
@@ -83,11 +84,20 @@ def announce_address(host: str, port: int, announce_host: str | None = None) -> 
 class PeerDaemon:
     """One peer's life in the swarm: serve a stage, refresh its record, maybe move, leave."""
 
-    def __init__(self, run: RunConfig, dht, device: torch.device, options: PeerOptions, coordinators: set[str] | None):
+    def __init__(
+        self,
+        run: RunConfig,
+        dht,
+        device: torch.device,
+        options: PeerOptions,
+        coordinators: set[str] | None,
+        member: Member | None = None,
+    ):
         """`options.port`: the stage service's port, kept across moves (0: the first free one);
         `coordinators`: the DHT peer ids whose removal records count (the coordinator joined through;
-        None: anyone's)."""
+        None: anyone's); `member`: this peer's run membership, its stage service's TLS identity."""
         self.run, self.dht, self.device, self.options, self.coordinators = run, dht, device, options, coordinators
+        self.member = member
         self.port = options.port
         peer_id = dht.peer_id.to_base58()
         self.record = PeerRecord(
@@ -126,7 +136,7 @@ class PeerDaemon:
         self.worker = StageWorker(self.run, stage, self.device, self.dht, checkpoints, opts.faults)
         source = self.take_state(stage)
         # The port stays the same across moves, so the address the trainers know stays right.
-        self.server, _, self.port = start_server(self.worker, opts.host, self.port, join_token=opts.join_token)
+        self.server, _, self.port = start_server(self.worker, opts.host, self.port, member=self.member)
         self.announce(
             address=announce_address(opts.host, self.port, opts.announce_host),
             device=self.worker.device_name,
@@ -260,8 +270,9 @@ def run_peer(options: PeerOptions) -> int:
     dev = resolve_device(options.device)
     host = options.host
     dht_host = host if host not in ("", "::") else "0.0.0.0"
-    run, initial_peers, dht = join_dht(
+    run, initial_peers, dht, member = join_dht(
         options.coordinator,
+        "peer",
         options.join_token,
         options.join_wait,
         check_stage,
@@ -272,7 +283,7 @@ def run_peer(options: PeerOptions) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    peer = PeerDaemon(run, dht, dev, options, coordinators=maddr_peer_ids(initial_peers))
+    peer = PeerDaemon(run, dht, dev, options, maddr_peer_ids(initial_peers), member)
     try:
         if stage is None:
             time.sleep(random.uniform(0, SPREAD_WAIT_S))  # peers that start together spread out
@@ -309,6 +320,7 @@ def run_peer(options: PeerOptions) -> int:
         faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)
         worker = peer.worker
         peer.leave_stage()
+        member.stop()
         shutdown_dht(dht)
         if worker is not None:
             print(f"peer stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps", flush=True)

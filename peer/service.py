@@ -21,6 +21,7 @@ from peer.requests import RequestError, StageShape, check_target, invalid, parse
 from peer.worker import StageWorker
 from swarm import __version__
 from swarm.client import grpc_options
+from swarm.identity import Member
 from swarm.rpc import METHODS, SERVICE, pb
 from swarm.wire import encode
 
@@ -40,8 +41,9 @@ def caller_waiting(context: grpc.ServicerContext) -> bool:
 
 
 class StageService:
-    def __init__(self, worker: StageWorker):
-        self.worker = worker
+    def __init__(self, worker: StageWorker, member: Member | None = None):
+        """`member`: this peer's run membership, which refuses revoked callers (TLS checked the rest)."""
+        self.worker, self.member = worker, member
         self.run = worker.run
         self.shape = StageShape(worker.run, worker.stage_index)
         self.codec = worker.run.wire.codec
@@ -64,6 +66,8 @@ class StageService:
     def _handler(self, request_type: type[Message], method: Callable) -> grpc.RpcMethodHandler:
         def handle(data: bytes, context: grpc.ServicerContext):
             self._count(received=len(data))
+            if self.member is not None and (refused := self.member.refusal(context)):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
             request = request_type()
             try:
                 try:
@@ -157,18 +161,29 @@ class StageService:
 
 
 def start_server(
-    worker: StageWorker, host: str, port: int, max_threads: int = 32, join_token: str | None = None
+    worker: StageWorker,
+    host: str,
+    port: int,
+    max_threads: int = 32,
+    join_token: str | None = None,
+    member: Member | None = None,
 ) -> tuple[grpc.Server, StageService, int]:
     """Start serving; returns the server, the service and the bound port (useful with port 0). With
-    `join_token`, every call must carry it (peer/auth.py)."""
-    service = StageService(worker)
+    `member` (a run with a coordinator), over mutual TLS: callers present a certificate of the run's
+    CA, and revoked ones are refused. Without, plaintext (a static pipeline), where `join_token`
+    is asked of every call (peer/auth.py)."""
+    service = StageService(worker, member)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_threads),
         options=grpc_options(worker.run),
         interceptors=[JoinTokenCheck(join_token)] if join_token else None,
     )
     server.add_generic_rpc_handlers((service.generic_handler(),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if member is not None:
+        bound = server.add_secure_port(address, member.server_credentials())
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     server.start()

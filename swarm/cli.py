@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import ssl
 import sys
@@ -197,6 +198,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.run import serve_coordinator
 
+    if not args.config:
+        raise ConfigError("swarm coordinator: --config is required to start one (or give an action: invite, revoke)")
     run = load_config(args.config)
     if args.stages is not None:
         run = with_stages(run, args.stages, "--stages")
@@ -213,6 +216,83 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         join_token=args.join_token,
         ready_file=args.ready_file,
         tls=tls_files(args.tls_cert, args.tls_key),
+        invite_only=args.invite_only,
+        cert_ttl=datetime.timedelta(hours=args.certificate_hours),
+    )
+
+
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """Seconds, from `90`, `90s`, `30m`, `12h` or `7d`; above 0."""
+    number, unit = (text[:-1], text[-1]) if text[-1:].lower() in DURATION_UNITS else (text, "s")
+    try:
+        seconds = float(number) * DURATION_UNITS[unit.lower()]
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration above 0 (e.g. 3600, 30m, 12h, 7d)")
+    return seconds
+
+
+def invite_name(text: str) -> str:
+    from coordinator.invites import InviteError, check_name
+
+    try:
+        return check_name(text)
+    except InviteError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def operator_client(args: argparse.Namespace):  # -> coordinator.operator_client.OperatorClient
+    from coordinator.operator_client import OperatorClient
+
+    return OperatorClient(args.coordinator, args.token or os.environ.get("SWARM_TOKEN") or None)
+
+
+def cmd_invite(args: argparse.Namespace) -> int:
+    import datetime
+
+    minted = operator_client(args).mint(args.name, args.max_peers, args.expires)
+    limit = f"at most {minted['max_peers']} peer identities" if minted["max_peers"] else "no limit on peer identities"
+    expires = minted["expires"]
+    until = datetime.datetime.fromtimestamp(expires, datetime.UTC).strftime("%Y-%m-%d %H:%M UTC") if expires else None
+    print(f"invite {minted['name']}: {limit}, {f'expires {until}' if until else 'never expires'}")
+    print(f"token (shown only now): {minted['token']}")
+    print(f"swarm peer --coordinator {args.coordinator} --join-token {minted['token']}")
+    if not minted["guarded"]:
+        print(
+            "note: this run is open (started without --join-token or --invite-only): anyone may join without a token",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    client = operator_client(args)
+    if args.invite is not None:
+        revoked = client.revoke_invite(args.invite)
+        print(f"invite {revoked['name']} revoked, with the {revoked['identities']} peer identities it certified")
+    else:
+        client.remove_peer(args.peer)
+        print(f"peer {args.peer} removed from the run and revoked")
+    return 0
+
+
+def add_operator_client(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator",
+        type=http_url,
+        metavar="URL",
+        default="http://127.0.0.1:8000",
+        help="the running coordinator (default http://127.0.0.1:8000)",
+    )
+    parser.add_argument(
+        "--token",
+        # SUPPRESS: `swarm coordinator --token T invite ...` keeps the T given before the action.
+        default=argparse.SUPPRESS,
+        help="the coordinator's operator token (default: $SWARM_TOKEN, which, unlike the flag, others cannot see)",
     )
 
 
@@ -466,10 +546,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     coord = sub.add_parser(
         "coordinator",
-        help="bootstrap DHT node, REST API and dashboard of a run",
-        description="Start the run's first DHT node and serve its REST API.",
+        help="bootstrap DHT node, REST API and dashboard of a run; mint and revoke its invites",
+        usage="%(prog)s --config CONFIG [options]\n       %(prog)s {invite,revoke} [options]",
+        description="Start the run's first DHT node and serve its REST API (--config C); or, with an action, "
+        "mint or revoke invites through a running coordinator.",
     )
-    coord.add_argument("--config", required=True, help="run configuration (TOML)")
+    coord.add_argument("--config", help="run configuration (TOML); required to start a coordinator")
     coord.add_argument("--host", default="127.0.0.1", help="address for HTTP and the DHT (default 127.0.0.1)")
     coord.add_argument(
         "--announce-host",
@@ -490,11 +572,63 @@ def build_parser() -> argparse.ArgumentParser:
         "--token",
         help="operator token for the control endpoints (default: $SWARM_TOKEN; without one, control is disabled)",
     )
-    add_join_token(coord, "peers and trainers must give this token to join (without one, anyone may join)")
+    add_join_token(
+        coord,
+        "peers and trainers may give this token to join, as a shared invite (without it or --invite-only, anyone "
+        "may join)",
+    )
+    coord.add_argument(
+        "--invite-only",
+        action="store_true",
+        help="joining needs a token even without --join-token: an invite's (swarm coordinator invite)",
+    )
     add_ready_file(coord, "once it serves: its run id, URL and DHT addresses")
     coord.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve HTTPS with this certificate (chain)")
     coord.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
+    coord.add_argument(
+        "--certificate-hours",
+        type=positive_float,
+        default=24.0,
+        metavar="H",
+        help="how long the run certificates of peers and trainers are valid; they renew them halfway (default: 24)",
+    )
     coord.set_defaults(func=cmd_coordinator)
+    actions = coord.add_subparsers(
+        dest="action",
+        metavar="ACTION",
+        title="actions on a running coordinator (instead of starting one)",
+        prog="swarm coordinator",
+    )
+    invite = actions.add_parser(
+        "invite",
+        help="mint an invite: a join token for one volunteer, shown once",
+        description="Mint an invite through the running coordinator and print its token (shown this once: the "
+        "coordinator keeps only its hash) with the line to give the volunteer. Every peer identity certified "
+        "with it counts against --max-peers.",
+    )
+    invite.add_argument("--name", required=True, type=invite_name, help="whom it is for: letters, digits, ._-")
+    invite.add_argument(
+        "--max-peers", type=positive_int, metavar="N", help="the most peer identities it certifies (default: no limit)"
+    )
+    invite.add_argument(
+        "--expires",
+        type=duration,
+        metavar="D",
+        help="admit no one after this long: seconds, or 30m, 12h, 7d (default: never)",
+    )
+    add_operator_client(invite)
+    invite.set_defaults(func=cmd_invite)
+    revoke = actions.add_parser(
+        "revoke",
+        help="revoke an invite (and every peer identity it certified) or one peer",
+        description="Revoke through the running coordinator: members refuse the revoked peers' calls within "
+        "seconds, and the coordinator certifies them no more.",
+    )
+    which = revoke.add_mutually_exclusive_group(required=True)
+    which.add_argument("--invite", type=invite_name, metavar="NAME", help="the invite to revoke")
+    which.add_argument("--peer", metavar="PEER_ID", help="the peer to remove from the run and revoke")
+    add_operator_client(revoke)
+    revoke.set_defaults(func=cmd_revoke)
 
     export = sub.add_parser(
         "export",
@@ -563,7 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--prompt", default="The ", help="start of the sample drawn from the exported model")
     demo.set_defaults(func=cmd_demo)
-    for command in sub.choices.values():
+    for command in [*sub.choices.values(), invite, revoke]:
         command.add_argument(
             "--log-level",
             choices=LEVELS,

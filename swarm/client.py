@@ -10,6 +10,7 @@ import grpc
 from google.protobuf.message import Message
 
 from swarm.config import RunConfig
+from swarm.identity import Member
 from swarm.rpc import METHODS, method_path, pb
 
 AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
@@ -46,12 +47,28 @@ def grpc_options(run: RunConfig) -> list[tuple[str, int]]:
 
 
 class StageClient:
-    def __init__(self, address: str, run: RunConfig, timeout: float = 120.0, join_token: str | None = None):
-        """`join_token`: the run's join token, sent with every call (stage workers of a run that has
-        one refuse calls without it)."""
+    def __init__(
+        self,
+        address: str,
+        run: RunConfig,
+        timeout: float = 120.0,
+        join_token: str | None = None,
+        member: Member | None = None,
+        peer_id: str | None = None,
+    ):
+        """`member`: this process's run membership: calls go over mutual TLS with its certificate, and
+        only to a server whose certificate names `peer_id` (the peer the call was routed to).
+        Without one, plaintext (a static pipeline: `swarm peer --config`), where `join_token` is the
+        static run's token, sent with every call (its workers refuse calls without it)."""
         self.address, self.run, self.timeout = address, run, timeout
         self._metadata = ((AUTH_METADATA_KEY, bearer(join_token)),) if join_token else None
-        self.channel = grpc.insecure_channel(address, options=grpc_options(run))
+        if member is not None:
+            if not peer_id:
+                raise ValueError("StageClient: a call over TLS names the peer id it expects")
+            options = grpc_options(run) + member.target_options(peer_id)
+            self.channel = grpc.secure_channel(address, member.channel_credentials(), options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=grpc_options(run))
         self.bytes_sent = 0
         self.bytes_received = 0
         self._lock = threading.Lock()

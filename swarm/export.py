@@ -27,13 +27,15 @@ from pathlib import Path
 import grpc
 import httpx
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors.torch import save_file
 
 from swarm import __version__
 from swarm.client import StageClient
 from swarm.config import ConfigError, ModelConfig, RunConfig
-from swarm.join import fetch_join
+from swarm.identity import Member
+from swarm.join import fetch_join, join_run
 from swarm.model import Stage
 from swarm.records import PeerRecord
 from swarm.wire import WireError, decode
@@ -267,14 +269,14 @@ class StageWeights:
 
 
 def fetch_stage(
-    run: RunConfig, stage: int, peers: list[PeerRecord], timeout: float, note: Callable, join_token: str | None = None
+    run: RunConfig, stage: int, peers: list[PeerRecord], timeout: float, note: Callable, member: Member
 ) -> StageWeights:
     """The stage's weights from the first of `peers` that hands over a complete, well-formed set."""
     with torch.device("meta"):  # shapes only: no memory, no init
         expected = {name: tuple(p.shape) for name, p in Stage(run, stage).named_parameters()}
     failures = []
     for peer in peers:
-        client = StageClient(peer.address, run, timeout=timeout, join_token=join_token)
+        client = StageClient(peer.address, run, timeout=timeout, member=member, peer_id=peer.peer_id)
         try:
             response = client.parameters(stage)
             tensors = _checked_tensors(response, expected)
@@ -310,9 +312,7 @@ def _checked_tensors(response, expected: dict[str, tuple[int, ...]]) -> dict[str
     return got
 
 
-def gather(
-    run: RunConfig, coordinator: str, timeout: float, note: Callable, join_token: str | None = None
-) -> list[StageWeights]:
+def gather(run: RunConfig, coordinator: str, timeout: float, note: Callable, member: Member) -> list[StageWeights]:
     """Every stage's weights at one common optimizer step. A stage behind the others is read again
     (a step may be completing on some stages and not yet on others) until `timeout`."""
     deadline = time.monotonic() + timeout
@@ -328,7 +328,7 @@ def gather(
             )
         for k in todo:
             remaining = max(deadline - time.monotonic(), 10.0)
-            w = gathered[k] = fetch_stage(run, k, live[k], remaining, note, join_token)
+            w = gathered[k] = fetch_stage(run, k, live[k], remaining, note, member)
             params = sum(t.numel() for t in w.tensors.values())
             layers = run.stage_layers(k)
             note(
@@ -447,12 +447,14 @@ def export_swarm(
     join_token: str | None = None,
 ) -> ExportInfo:
     """Gather the run's model from its live peers into `out` (see the module docstring); `join_token`:
-    the run's join token, for the coordinator's /api/v1/join and the peers."""
+    the run's join token, for the coordinator, which certifies this export as a member of the run (the
+    peers answer members only)."""
     out = Path(out)
     check_out(out, force)
     run, _ = fetch_join(coordinator, join_token=join_token)
+    member = join_run(coordinator, RSAPrivateKey(), "trainer", run.run_id, join_token)
     note(f"exporting run {run.run_id!r}: {run.stages.count} stages, {run.model.n_layers} layers")
-    stages = gather(run, coordinator, timeout, note, join_token)
+    stages = gather(run, coordinator, timeout, note, member)
     size = write_export(out, run, stages, coordinator, force)
     parameters = sum(t.numel() for w in stages for t in w.tensors.values())
     info = ExportInfo(

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import base64
+import functools
 import logging
 import time
 from collections.abc import Callable
 
 import hivemind
 import httpx
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.client import bearer
 from swarm.config import ConfigError, RunConfig, parse_config
+from swarm.identity import Issued, Member, Role, public_pem
 from swarm.net import cleartext_warning
-from swarm.records import make_dht
+from swarm.records import maddr_peer_ids, make_dht, node_key, read_removed
 
 log = logging.getLogger(__name__)
 
@@ -47,39 +51,85 @@ def fetch_join(
         log.warning(f"{problem}; trying again in {pause:.0f} s")
         time.sleep(pause)
         pause = min(2 * pause, RETRY_MAX_S)
+    body = answer(url, response, join_token)
+    return parse_config(body["config"], f"{url} run config"), list(body["initial_peers"])
+
+
+def answer(url: str, response: httpx.Response, join_token: str | None) -> dict:
+    """The coordinator's JSON answer, or a ConfigError that says why there is none."""
     if response.status_code == 401:
         given = "a wrong join token" if join_token else "no join token"
         raise ConfigError(
             f"--coordinator: {url} refused {given}: give this run's join token with --join-token (or $SWARM_JOIN_TOKEN)"
         )
     if response.status_code != 200:
-        raise ConfigError(f"--coordinator: {url} answered {response.status_code}: {response.text[:200]}")
-    body = response.json()
-    return parse_config(body["config"], f"{url} run config"), list(body["initial_peers"])
+        try:
+            detail = response.json()["detail"]
+        except (ValueError, KeyError, TypeError):
+            detail = response.text[:200]
+        raise ConfigError(f"--coordinator: {url} answered {response.status_code}: {detail}")
+    return response.json()
+
+
+def request_certificate(
+    url: str, key: RSAPrivateKey, role: Role, join_token: str | None = None, timeout: float = 10.0
+) -> Issued:
+    """A certificate of the run at `url` for this DHT identity `key` in `role`, from the run CA."""
+    headers = {"Authorization": bearer(join_token)} if join_token else {}
+    try:
+        response = httpx.post(
+            url.rstrip("/") + "/api/v1/certificate",
+            json={"public_key": public_pem(key), "role": role},
+            headers=headers,
+            timeout=timeout,
+        )
+    except httpx.HTTPError as err:
+        raise ConfigError(f"--coordinator: cannot reach {url} for a certificate: {err}") from None
+    body = answer(url, response, join_token)
+    return Issued(
+        certificate=body["certificate"],
+        ca=body["ca"],
+        expires=float(body["expires"]),
+        dht_token=base64.b64decode(body["dht_token"]),
+    )
+
+
+def join_run(url: str, key: RSAPrivateKey, role: Role, run_id: str, join_token: str | None = None) -> Member:
+    """This process's membership of the run at `url` with the DHT identity `key`, renewed from there."""
+    renew = functools.partial(request_certificate, url, key, role, join_token)
+    return Member(run_id, role, key, renew(), renew)
 
 
 def join_dht(
     url: str,
+    role: Role,
     join_token: str | None = None,
     wait_s: float = 0.0,
     check: Callable[[RunConfig], None] | None = None,
     **dht_options,
-) -> tuple[RunConfig, list[str], hivemind.DHT]:
-    """Join the run at `url`: its config, the coordinator's DHT addresses and a DHT node of this
-    process, started with `dht_options` (see `records.make_dht`); `check(run)` may refuse the run
-    (raise ConfigError) before the node starts. The coordinator may die between
-    its answer and the node's start (its DHT then refuses the bootstrap): the join is tried again,
-    as a coordinator that does not answer is, for up to `wait_s` seconds in all."""
+) -> tuple[RunConfig, list[str], hivemind.DHT, Member]:
+    """Join the run at `url` in `role`: its config, the coordinator's DHT addresses, a DHT node of this
+    process started with `dht_options` (see `records.make_dht`), and this process's membership (a
+    certificate for the node's key, kept current in the background). `check(run)` may refuse the
+    run (raise ConfigError) before anything starts. The coordinator may die between its answer and
+    the node's start (its DHT then refuses the bootstrap): the join is tried again, as a coordinator
+    that does not answer is, for up to `wait_s` seconds in all."""
     deadline = time.monotonic() + wait_s
+    key = dht_options.pop("record_key", None) or node_key()
     while True:
         run, initial_peers = fetch_join(url, join_token=join_token, wait_s=max(0.0, deadline - time.monotonic()))
         if check is not None:
             check(run)
+        member = join_run(url, key, role, run.run_id, join_token)
         try:
-            return run, initial_peers, make_dht(initial_peers, **dht_options)
+            dht = make_dht(initial_peers, record_key=key, authorizer=member.authorizer(), **dht_options)
         except Exception as err:  # hivemind raises its daemon's error as it is (P2PDaemonError, RuntimeError)
             problem = f"the run's DHT at {', '.join(initial_peers)} did not answer ({err})"
             if time.monotonic() + 1 > deadline:
                 raise ConfigError(f"--coordinator: {problem}") from None
+        else:
+            coordinators = maddr_peer_ids(initial_peers)
+            member.start(dht, functools.partial(read_removed, dht, run.run_id, coordinators))
+            return run, initial_peers, dht, member
         log.warning(f"{problem}; trying again in 1 s")
         time.sleep(1)

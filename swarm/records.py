@@ -61,6 +61,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -213,6 +214,7 @@ def make_dht(
     identity_path: Path | None = None,
     announce_host: str | None = None,
     record_key: RSAPrivateKey | None = None,
+    authorizer: AuthorizerBase | None = None,
 ) -> hivemind.DHT:
     """A DHT node listening on HOST:PORT (hivemind's default is loopback only) that signs the records
     it stores with `record_key` and refuses records not signed by their owner (see the module
@@ -232,7 +234,8 @@ def make_dht(
     the node has started. With `announce_host` (the address others reach this machine at: a public IP
     or name, a forwarded router's) the node tells others only that address, not its interfaces'
     (which, behind NAT or in a container, nobody else can reach); it needs a known port, so port 0
-    becomes a free port picked here."""
+    becomes a free port picked here. With `authorizer` (swarm/identity.py: `RunAuthorizer`), the node
+    answers and takes answers only from members of the run."""
     maddrs = [f"/ip4/{host}/tcp/{port}"]
     extra: dict = {}
     if announce_host:
@@ -245,8 +248,7 @@ def make_dht(
             raise ValueError("make_dht: a node with an identity_path signs with its identity's key, not record_key")
         record_key = identity_key(identity_path)
     elif record_key is None:
-        process_wide_taken = any(node.is_alive() for node in _process_wide_nodes)
-        record_key = RSAPrivateKey() if process_wide_taken else RSAPrivateKey.process_wide()
+        record_key = node_key()
     validator = RSASignatureValidator(record_key)
     with tempfile.TemporaryDirectory(prefix="swarm-dht-") as tmp:  # private to this user (mode 0700)
         if identity_path is None:
@@ -259,12 +261,20 @@ def make_dht(
             record_validators=[validator],
             start=True,
             await_ready=True,  # by then its p2p daemon has read the identity file
+            authorizer=authorizer,
             **extra,
         )
     if record_key is RSAPrivateKey.process_wide():
         _process_wide_nodes.add(dht)
     dht.record_owner = validator.local_public_key.decode()  # what this node's subkeys end with
     return dht
+
+
+def node_key() -> RSAPrivateKey:
+    """The key a new node of this process signs with (see `make_dht`): the process-wide one, unless
+    a live node of this process already holds it."""
+    process_wide_taken = any(node.is_alive() for node in _process_wide_nodes)
+    return RSAPrivateKey() if process_wide_taken else RSAPrivateKey.process_wide()
 
 
 def identity_key(path: Path) -> RSAPrivateKey:

@@ -9,9 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm import children
 from swarm.children import Proc, group_members, survivors
+from swarm.client import StageClient
+from swarm.join import join_dht, join_run
 from swarm.net import free_port
 from swarm.ready import PeerReady, wait_ready
 
@@ -71,3 +74,16 @@ def wait_for_state(base: str, ok: Callable[[dict], bool], timeout: float = 10.0,
         if time.monotonic() > deadline:
             raise AssertionError(f"/api/v1/state did not reach the expected state within {timeout} s: {state}")
         time.sleep(0.2)
+
+
+def member_dht(url: str, join_token: str | None = None, **options):
+    """A DHT node of this test process in the run at `url`, certified as a trainer is (only members
+    can use the run's DHT); `options` as for swarm.records.make_dht."""
+    return join_dht(url, "trainer", join_token, client_mode=options.pop("client_mode", True), **options)[2]
+
+
+def member_client(url: str, run, record: dict) -> StageClient:
+    """A client of the peer `record` of the run at `url`, calling as a member of that run (a trainer's
+    certificate of its own): the stage workers of a run with a coordinator answer members only."""
+    member = join_run(url, RSAPrivateKey(), "trainer", run.run_id)
+    return StageClient(record["address"], run, member=member, peer_id=record["peer_id"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from tests.processes import free_port
+from swarm.records import read_stage, shutdown_dht
+from tests.processes import free_port, member_dht
 from tests.test_swarm import Swarm
 
 
@@ -28,7 +29,13 @@ def test_coordinator_and_peer_announce_the_given_host_and_trainers_dial_it(tmp_p
         state = swarm.wait_online(["far", "near"])
         far = peer_record(state, "far")
         assert far["address"] == f"127.0.0.1:{peer_port}"
-        assert [a.split("/p2p/")[0] for a in far["dht_addrs"]] == [f"/ip4/127.0.0.1/tcp/{peer_dht}"]
+        # The DHT addresses are for members (the public state lists none): read from the DHT as one.
+        reader = member_dht(swarm.url)
+        try:
+            (record,) = [r for r in read_stage(reader, "tiny", 0) if r.public_name == "far"]
+        finally:
+            shutdown_dht(reader)
+        assert [a.split("/p2p/")[0] for a in record.dht_addrs] == [f"/ip4/127.0.0.1/tcp/{peer_dht}"]
 
         swarm.train(steps=2)  # the trainer reaches the peer at its announced address
         assert [r["step"] for r in swarm.finish_training()] == [0, 1]

@@ -16,7 +16,6 @@ from pydantic import ValidationError
 
 from benchmarks.rebalance import best_min_total, stage_totals
 from peer.averaging import NormExchange, ReplicaCheck, SwarmUpdater, clip_contribution, drop_grads, grads_finite
-from swarm.client import StageClient
 from swarm.config import RunConfig, load_config
 from swarm.data import TokenStream
 from swarm.model import Stage, build_stages, lm_loss
@@ -36,7 +35,7 @@ from swarm.records import (
     visible_maddrs,
 )
 from swarm.wire import decode, encode
-from tests.processes import wait_for_state
+from tests.processes import member_client, wait_for_state
 from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
 
 FAST_AVERAGING = "\n[averaging]\nmatchmaking_time_s = 0.5\nrequest_timeout_s = 0.3\n"
@@ -125,8 +124,9 @@ def config_with(tmp_path, extra: str):
     return path, load_config(path)
 
 
-def parameters(run, record: dict) -> tuple[int, dict[str, torch.Tensor]]:
-    client = StageClient(record["address"], run)
+def parameters(url: str, run, record: dict) -> tuple[int, dict[str, torch.Tensor]]:
+    """The weights and step of the peer `record` of the run at `url`."""
+    client = member_client(url, run, record)
     try:
         response = client.parameters(record["stage"])
     finally:
@@ -310,7 +310,7 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
     s = state(swarm.url)
     # The stages started from the seeded init, and the records say so.
     assert {peer_record(s, n)["weights_from"] for n in names} == {"the seeded init"}
-    held = {name: parameters(run, peer_record(s, name)) for name in names}
+    held = {name: parameters(swarm.url, run, peer_record(s, name)) for name in names}
     for a, b in (("a0", "b0"), ("a1", "b1")):
         assert held[a][0] == held[b][0] == steps, f"{a} and {b} took {held[a][0]} and {held[b][0]} steps"
         assert max_difference(held[a][1], held[b][1]) <= 1e-6, f"{a} and {b} drifted apart"
@@ -325,14 +325,14 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
     assert late["weights_from"] == f"peers of stage 1 at step {steps}", late
     assert late["optimizer_steps"] == steps
 
-    assert max_difference(parameters(run, late)[1], held["a1"][1]) <= 1e-6
+    assert max_difference(parameters(swarm.url, run, late)[1], held["a1"][1]) <= 1e-6
 
     # Its first served forward gives what an old replica gives for the same input.
     x = torch.randn(2, run.model.seq_len, run.model.d_model)
     targets = encode(torch.randint(0, run.model.vocab_size, (2, run.model.seq_len)))
     outputs = {}
     for name in ("late1", "a1"):
-        client = StageClient(peer_record(s, name)["address"], run)
+        client = member_client(swarm.url, run, peer_record(s, name))
         try:
             response = client.forward(1, encode(x), f"probe-{name}", steps, targets=targets, train=False)
         finally:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from benchmarks.__main__ import BENCHMARKS
+from benchmarks.wire import TLS_SECTION
 from tests.conftest import ROOT
 
 LOGS = ("--log-dir", "{tmp}/logs")  # the benchmarks that start processes keep their logs with the test
@@ -81,3 +82,15 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_a_row_elsewhere(name, smoke_ru
     assert rows, f"no row in {results}:\n{results.read_text()}"
     assert f"appended to {results}" in done.stdout
     assert digest(ROOT / "benchmarks" / "results.md") == before, "the smoke run wrote to benchmarks/results.md"
+
+
+def test_wire_smoke_times_calls_over_mutual_tls_too(smoke_runs):
+    """The wire benchmark's TLS table gets its row at the tiny size too: the same worker answered over
+    mutual TLS (run certificates both ways) and over plaintext, and both were timed."""
+    _, futures = smoke_runs
+    done, results = futures["wire"].result()
+    assert done.returncode == 0, f"python -m benchmarks wire exited {done.returncode}:\n{done.stderr[-3000:]}"
+    assert "answered differently over TLS" not in done.stdout
+    _, found, section = results.read_text().partition(f"## {TLS_SECTION}\n")
+    rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith(ROW_START)]
+    assert found and len(rows) == 1 and "| noop | bf16 |" in rows[0], results.read_text()

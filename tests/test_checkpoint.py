@@ -275,7 +275,7 @@ def test_a_killed_peer_restarted_resumes_from_its_checkpoint_and_training_goes_o
         record = peer_record(s, "s1b")
         assert record["weights_from"] == "checkpoint step 6", record
         assert record["optimizer_steps"] == 6
-        served_step, weights = parameters(run, record)
+        served_step, weights = parameters(swarm.url, run, record)
         assert served_step == 6
         expected = saved[1].load().weights
         assert weights.keys() == expected.keys()
@@ -312,8 +312,8 @@ def test_a_peer_takes_the_live_peers_state_when_they_are_ahead_of_its_checkpoint
         record = peer_record(s, "b1")
         assert record["weights_from"] == "peers of stage 1 at step 6", record
         assert record["optimizer_steps"] == 6
-        live = parameters(run, peer_record(s, "a1"))[1]
-        assert all(torch.equal(parameters(run, record)[1][n], t) for n, t in live.items())
+        live = parameters(swarm.url, run, peer_record(s, "a1"))[1]
+        assert all(torch.equal(parameters(swarm.url, run, record)[1][n], t) for n, t in live.items())
         assert "resumed stage" not in swarm.peers["b1"].output()
     finally:
         swarm.close()
@@ -346,7 +346,7 @@ def test_a_replica_behind_a_resumed_checkpoint_takes_the_state_from_the_resumed_
         assert [r["step"] for r in swarm.finish_training()] == [4, 5]
         deadline = time.monotonic() + 30
         while True:
-            (step_a, a), (step_f, f) = (parameters(run, peer_record(s, n)) for n in ("a1b", "fresh1"))
+            (step_a, a), (step_f, f) = (parameters(swarm.url, run, peer_record(s, n)) for n in ("a1b", "fresh1"))
             if step_a == step_f == 6 and all(torch.equal(a[n], f[n]) for n in a):
                 break
             assert time.monotonic() < deadline, f"the replicas hold steps {step_a} and {step_f}"

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.config import load_config
-from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer, make_dht
-from tests.processes import ROOT, group_members, start_coordinator, wait_for_state
+from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer
+from tests.processes import ROOT, group_members, member_dht, start_coordinator, wait_for_state
 
 TINY = ROOT / "configs" / "tiny.toml"
 LONG_TTL = 120.0  # records the tests must still see at the end of the module
@@ -36,8 +36,8 @@ def join(coordinator: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def client_dht(join: dict):
-    dht = make_dht(join["initial_peers"], client_mode=True)
+def client_dht(coordinator: str, join: dict):
+    dht = member_dht(coordinator)
     yield dht
     dht.shutdown()
 

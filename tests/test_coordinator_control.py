@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from swarm.records import make_dht, read_control
-from tests.processes import free_port, start_coordinator, survivors, wait_for_output, wait_for_state
+from swarm.records import read_control
+from tests.processes import free_port, member_dht, start_coordinator, survivors, wait_for_output, wait_for_state
 from tests.test_swarm import TINY, Swarm, online_names, peer_record
 
 TOKEN = "operator-secret"
@@ -47,7 +47,7 @@ def test_control_needs_the_operator_token_and_is_off_without_one(tmp_path, monke
     guarded, url = start_coordinator(TINY, tmp_path / "guarded.log")
     monkeypatch.delenv("SWARM_TOKEN")
     unguarded, open_url = start_coordinator(TINY, tmp_path / "open.log")
-    dht = make_dht(httpx.get(f"{url}/api/v1/join", timeout=5).json()["initial_peers"], client_mode=True)
+    dht = member_dht(url)
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
             for path in ("/api/v1/control/pause", "/api/v1/peers/nobody/remove"):

@@ -18,12 +18,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from coordinator.app import JoinInfo, create_app
 from coordinator.view import ViewHolder, empty_view
 from swarm.config import load_config
+from tests.processes import start_coordinator
 from tests.test_swarm import TINY, Swarm
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -60,6 +62,7 @@ SNAPSHOT_JS = """() => {
     events: [...document.querySelectorAll("#events tbody tr")].map((r) => ({
       kind: r.dataset.kind, who: r.cells[2].textContent, text: r.cells[3].textContent,
     })),
+    invites: [...document.querySelectorAll("#invites tbody tr")].map((r) => [...r.cells].map((c) => c.textContent)),
     run_id: text(document, "#run-id"),
     step: text(document, "#global-step"),
     spot: text(document, "#spot-checks"),
@@ -204,3 +207,18 @@ def test_a_peer_named_like_html_is_shown_as_text(tmp_path, page):
         assert not dash.errors
     finally:
         swarm.close()
+
+
+def test_the_invites_panel_lists_invites_and_never_a_token(tmp_path, page):
+    operator = {"Authorization": "Bearer operator-secret"}
+    coordinator, url = start_coordinator(TINY, tmp_path / "c.log", "--invite-only", "--token", "operator-secret")
+    try:
+        minted = httpx.post(f"{url}/api/v1/invites", json={"name": "erin", "max_peers": 2}, headers=operator, timeout=5)
+        assert minted.status_code == 201, minted.text
+        dash = Dashboard(page, url)
+        dash.wait("erin's invite", lambda s: s["invites"] == [["erin", "0 / 2", "never", "active"]], timeout=10)
+        assert page.is_hidden("#no-invites")
+        assert minted.json()["token"] not in page.content()
+        assert not dash.errors and not dash.dialogs
+    finally:
+        assert coordinator.stop() == 0

@@ -13,6 +13,7 @@ import signal
 
 import pytest
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarm.client import StageClient
@@ -20,7 +21,7 @@ from swarm.config import load_config
 from swarm.data import ByteTokenizer
 from swarm.export import ExportError, export_swarm
 from swarm.generate import load_export
-from swarm.join import fetch_join
+from swarm.join import fetch_join, join_run
 from swarm.model import Stage
 from swarm.wire import decode, encode
 from tests.conftest import run_cli
@@ -58,10 +59,12 @@ def trained(tmp_path_factory):
 def swarm_logits(swarm: Swarm, ids: torch.Tensor) -> torch.Tensor:
     """The logits of the live swarm: the peers' Forward RPC, stage by stage (inference, no targets)."""
     run, _ = fetch_join(swarm.url)
+    member = join_run(swarm.url, RSAPrivateKey(), "trainer", run.run_id)  # the peers answer members only
     state = wait_for_state(swarm.url, lambda s: all(peer_record(s, n) for n in ("p0", "p1")))
     x = encode(ids)
     for stage, name in enumerate(["p0", "p1"]):
-        client = StageClient(peer_record(state, name)["address"], run)
+        record = peer_record(state, name)
+        client = StageClient(record["address"], run, member=member, peer_id=record["peer_id"])
         try:
             x = client.forward(stage, x, f"probe-{stage}", step=0, train=False).output
         finally:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
+from coordinator.ca import RunCA
 from peer.service import start_server
 from peer.worker import StageWorker
 from swarm.config import load_config
@@ -58,17 +59,19 @@ def test_reconnect_pings_the_nodes_at_the_addresses_it_is_given(nodes):
 
 
 @pytest.fixture
-def stage1(nodes):
-    """A real stage-1 worker serving on loopback, and a trainer's SwarmCaller on a real DHT node whose
-    routing the test sets itself (no refresh from the DHT). Yields (caller, notes, worker, address):
-    `notes` collects the caller's status notes."""
+def stage1(nodes, tmp_path):
+    """A real stage-1 worker serving on loopback over mutual TLS, and a trainer's SwarmCaller on a real
+    DHT node whose routing the test sets itself (no refresh from the DHT). Yields (caller, notes,
+    worker, address, peer id): `notes` collects the caller's status notes."""
     run = load_config(CONFIGS / "tiny.toml")
+    ca = RunCA.load_or_create(tmp_path, run.run_id)
     worker = StageWorker(run, 1, torch.device("cpu"))
-    server, _, port = start_server(worker, "127.0.0.1", 0)
+    peer = ca.member("peer")
+    server, _, port = start_server(worker, "127.0.0.1", 0, member=peer)
     members = Membership(run, nodes[0], [], SpotChecks(run.stages.count, 0.0), refresh_s=3600.0)
     notes: list[str] = []
-    caller = SwarmCaller(run, members, notes.append, call_timeout=30.0)
-    yield caller, notes, worker, f"127.0.0.1:{port}"
+    caller = SwarmCaller(run, members, notes.append, ca.member("trainer"), call_timeout=30.0)
+    yield caller, notes, worker, f"127.0.0.1:{port}", peer.peer_id
     caller.close()
     members.close()
     server.stop(0)
@@ -86,9 +89,9 @@ def test_when_every_live_peer_of_a_stage_failed_once_the_trainer_asks_again_with
     """Stage 1 lists two peers: one gone (its port is closed; its record would live out its TTL) and one
     live that times out once (a real gRPC deadline). Both fail within one call; the call goes round
     again and gets its answer from the live one, and the trainer never says it waits for a peer."""
-    pipe, notes, _, live = stage1
+    pipe, notes, _, live, live_id = stage1
     gone = f"127.0.0.1:{free_port()}"
-    route(pipe, 1, {"gone": gone, "live": live})
+    route(pipe, 1, {"gone": gone, live_id: live})
     asked: list[str] = []
 
     def info(client):
@@ -97,8 +100,8 @@ def test_when_every_live_peer_of_a_stage_failed_once_the_trainer_asks_again_with
         return client.info(timeout=1e-4 if first else 10.0)  # the live peer's first answer comes too late
 
     response, peer = pipe.call(1, 1, info)
-    assert peer == "live" and response.stage == 1
-    assert asked[:2] == [gone, live] and asked[-1] == live, asked  # both failed once, then went round
+    assert peer == live_id and response.stage == 1
+    assert set(asked[:2]) == {gone, live} and asked[-1] == live, asked  # both failed once, then went round
     assert not [n for n in notes if "waiting" in n], notes
     assert pipe.failures == len(asked) - 1
 
@@ -107,9 +110,9 @@ def test_a_call_held_while_its_stage_steps_is_not_cut_off(stage1):
     """The router has seen the peer answer in milliseconds; then the stage holds the next call for a
     few seconds, as it does while it looks for its replicas and waits for the other stages' gradient
     norms. The call must wait for it: cut off and sent again, it would be computed twice."""
-    pipe, _, worker, live = stage1
+    pipe, _, worker, live, live_id = stage1
     run = pipe.run
-    route(pipe, 1, {"live": live})
+    route(pipe, 1, {live_id: live})
     x = encode(torch.randn(2, run.model.seq_len, run.model.d_model))
     targets = encode(torch.randint(0, run.model.vocab_size, (2, run.model.seq_len)))
 
@@ -119,14 +122,14 @@ def test_a_call_held_while_its_stage_steps_is_not_cut_off(stage1):
     for _ in range(5):
         pipe.call(1, 2, forward, timed=False)
     with pipe.members.stage(1) as (router, _):
-        assert router.deadline("live", floor=0.0, cap=30.0) < 1.0  # fast answers so far
+        assert router.deadline(live_id, floor=0.0, cap=30.0) < 1.0  # fast answers so far
     held = 3.0
     assert held < step_hold_s(run)
     worker.lock.acquire()  # the compute thread stops, as during an optimizer step
     threading.Timer(held, worker.lock.release).start()
     started = time.monotonic()
     response, peer = pipe.call(1, 2, forward, timed=False)
-    assert peer == "live" and response.loss > 0
+    assert peer == live_id and response.loss > 0
     assert time.monotonic() - started >= held * 0.9  # it was held, and waited for
     assert pipe.failures == 0
 

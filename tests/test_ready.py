@@ -13,14 +13,15 @@ from swarm.client import StageClient
 from swarm.config import load_config
 from swarm.ready import CoordinatorReady, NotReady, PeerReady, read_ready, wait_ready, write_ready
 from tests.conftest import run_cli
-from tests.processes import ROOT, child, wait_for_state
+from tests.processes import ROOT, child, member_client, wait_for_state
 
 TINY = ROOT / "configs" / "tiny.toml"
 
 
-def first_call_answers(address: str, stage: int) -> None:
-    """One Info call, no retry: the server must already serve when the file is there."""
-    client = StageClient(address, load_config(TINY), timeout=10)
+def first_call_answers(address: str, stage: int, client: StageClient | None = None) -> None:
+    """One Info call, no retry: the server must already serve when the file is there. `client`: one
+    of the run's members, for a peer of a run with a coordinator (it answers members only)."""
+    client = client or StageClient(address, load_config(TINY), timeout=10)
     try:
         info = client.info(timeout=10)
     finally:
@@ -57,7 +58,8 @@ def test_a_coordinator_and_a_peer_of_its_run_are_ready_where_they_serve(tmp_path
         args = ["peer", "--coordinator", ready.url, "--stage", "0", "--public-name", "p0", "--threads", "1"]
         peer = child([*args, "--no-rebalance"], tmp_path / "p0.log", ready=True)
         served = wait_ready(peer, PeerReady, timeout=120)
-        first_call_answers(served.address, 0)
+        record = {"address": served.address, "peer_id": served.peer_id}
+        first_call_answers(served.address, 0, member_client(ready.url, load_config(TINY), record))
 
         def online(state: dict) -> dict | None:
             return next((p for p in state["stages"][0]["peers"] if p["state"] == "online"), None)

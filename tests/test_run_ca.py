@@ -15,7 +15,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
-from coordinator.ca import CertificateError, RunCA, identity_of, load_public_key, peer_id_of
+from coordinator.ca import RunCA
+from swarm.identity import CertificateError, identity_of, load_public_key, peer_id_of
 from tests.conftest import CONFIGS
 from tests.processes import start_coordinator
 
@@ -40,7 +41,7 @@ def test_the_ca_outlives_a_restart_and_keeps_its_key_private(tmp_path: Path):
     assert again.cert_pem == ca.cert_pem
     key, peer_id = dht_identity()
     issued = again.issue(key.public_key(), "peer")
-    assert identity_of(issued, ca.cert, "tiny").peer_id == peer_id
+    assert identity_of(issued.certificate, ca.cert, "tiny").peer_id == peer_id
     with pytest.raises(CertificateError, match="another run"):
         RunCA.load_or_create(tmp_path, "other")
 
@@ -49,7 +50,7 @@ def test_a_certificate_names_the_run_role_and_the_keys_own_peer_id(tmp_path: Pat
     ca = RunCA.load_or_create(tmp_path, "tiny")
     key, peer_id = dht_identity()
     pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    who = identity_of(ca.issue(load_public_key(pem), "trainer"), ca.cert, "tiny")
+    who = identity_of(ca.issue(load_public_key(pem), "trainer").certificate, ca.cert, "tiny")
     assert (who.run_id, who.role, who.peer_id) == ("tiny", "trainer", peer_id)
     left = who.not_after - datetime.datetime.now(datetime.UTC)
     assert datetime.timedelta(hours=23) < left <= datetime.timedelta(hours=24)
@@ -61,11 +62,11 @@ def test_certificates_that_make_no_member_are_refused(tmp_path: Path):
     ca, foreign = RunCA.load_or_create(tmp_path / "a", "tiny"), RunCA.load_or_create(tmp_path / "b", "tiny")
     key, _ = dht_identity()
     with pytest.raises(CertificateError, match="not issued by this run's CA"):
-        identity_of(foreign.issue(key.public_key(), "peer"), ca.cert, "tiny")
+        identity_of(foreign.issue(key.public_key(), "peer").certificate, ca.cert, "tiny")
     with pytest.raises(CertificateError, match="names no member of run 'other'"):
-        identity_of(ca.issue(key.public_key(), "peer"), ca.cert, "other")
+        identity_of(ca.issue(key.public_key(), "peer").certificate, ca.cert, "other")
     with pytest.raises(CertificateError, match="not valid now"):
-        identity_of(ca.issue(key.public_key(), "peer", ttl=datetime.timedelta(minutes=-1)), ca.cert, "tiny")
+        identity_of(ca.issue(key.public_key(), "peer", ttl=datetime.timedelta(minutes=-1)).certificate, ca.cert, "tiny")
     with pytest.raises(CertificateError, match="role"):
         ca.issue(key.public_key(), "admin")  # type: ignore[arg-type]
     with pytest.raises(CertificateError, match="not a PEM certificate"):

@@ -1,7 +1,8 @@
 """Trust in a run: a join token keeps strangers out, signed DHT records keep peers honest.
 
-A run started with `swarm coordinator --join-token` hands its config and DHT addresses only to
-those who send the token, and its stage workers answer only calls that carry it. Every record in
+A run started with `swarm coordinator --join-token` hands its config, DHT addresses and run
+certificates only to those who send the token; its stage workers answer only members of the run
+(mutual TLS, the run's CA as root) and its DHT only members' nodes. Every record in
 the DHT is signed by its writer (hivemind's RSASignatureValidator on every node), so a forging DHT
 node can neither overwrite a live peer's record nor slip in a record nobody signed; and a node's
 peer id derives from the key it signs with, so it cannot pass off a stage record as another peer's.
@@ -11,6 +12,7 @@ Neither token ever shows in a log line, the API or the dashboard.
 from __future__ import annotations
 
 import time
+from concurrent import futures
 
 import grpc
 import hivemind
@@ -20,12 +22,16 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from coordinator.ca import RunCA
 from swarm.cli import build_parser
 from swarm.client import StageClient
+from swarm.config import ConfigError
+from swarm.join import join_dht, join_run, request_certificate
 from swarm.records import (
     OWNER_MARKER,
     ControlState,
     PeerRecord,
+    _write_identity,
     announce_control,
     announce_peer,
     announce_removed,
@@ -40,8 +46,8 @@ from swarm.records import (
     stage_key,
     visible_maddrs,
 )
-from swarm.rpc import method_path, pb
-from tests.processes import child, wait_for_state
+from swarm.rpc import SERVICE, method_path, pb
+from tests.processes import child, member_dht, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
 from tests.test_swarm import Swarm, peer_record
 
@@ -113,37 +119,133 @@ def test_a_peer_without_the_token_is_refused(guarded, tmp_path):
         assert "join token" in p.output() and JOIN_TOKEN not in p.output() and "Traceback" not in p.output()
 
 
-def test_stage_workers_refuse_calls_without_the_token(guarded):
-    address = peer_record(wait_for_state(guarded.url, lambda s: peer_record(s, "p0")), "p0")["address"]
-    channel = grpc.insecure_channel(address)
+REQUESTS = {
+    "Info": pb.InfoRequest(),
+    "Parameters": pb.ParametersRequest(run_id="tiny", stage=0),
+    "Forward": pb.ForwardRequest(run_id="tiny", stage=0, microbatch_id="x"),
+    "Backward": pb.BackwardRequest(run_id="tiny", stage=0, microbatch_id="x"),
+}
+
+
+def test_stage_workers_answer_members_of_the_run_only(guarded, tmp_path):
+    """Stage calls are mutual TLS with the run's CA as root: a plaintext call gets nothing, even with
+    the join token; so does a certificate of another CA (of a run with the same id), and a member
+    that dials an address expecting another peer than the one serving there."""
+    state = wait_for_state(guarded.url, lambda s: peer_record(s, "p0") and peer_record(s, "p1"))
+    p0, p1 = peer_record(state, "p0"), peer_record(state, "p1")
+    channel = grpc.insecure_channel(p0["address"])
     try:
-        requests = {
-            "Info": pb.InfoRequest(),
-            "Parameters": pb.ParametersRequest(run_id=guarded.run.run_id, stage=0),
-            "Forward": pb.ForwardRequest(run_id=guarded.run.run_id, stage=0, microbatch_id="x"),
-            "Backward": pb.BackwardRequest(run_id=guarded.run.run_id, stage=0, microbatch_id="x"),
-        }
-        for method, request in requests.items():
+        for method, request in REQUESTS.items():
             call = channel.unary_unary(method_path(method), request_serializer=lambda m: m.SerializeToString())
-            for metadata in (None, (("authorization", "Bearer not-the-token"),)):
-                with pytest.raises(grpc.RpcError) as refused:
-                    call(request, timeout=10, metadata=metadata)
-                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
-                assert "join token" in refused.value.details() and JOIN_TOKEN not in refused.value.details()
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, timeout=10, metadata=(("authorization", f"Bearer {JOIN_TOKEN}"),))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, method
     finally:
         channel.close()
-    client = StageClient(address, guarded.run, join_token=JOIN_TOKEN)
+    member = join_run(guarded.url, RSAPrivateKey(), "trainer", "tiny", JOIN_TOKEN)
+    foreign = RunCA.load_or_create(tmp_path, "tiny").member("trainer")
+    for who, expected in ((foreign, p0["peer_id"]), (member, p1["peer_id"])):
+        client = StageClient(p0["address"], guarded.run, member=who, peer_id=expected)
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                client.info()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            client.close()
+    client = StageClient(p0["address"], guarded.run, member=member, peer_id=p0["peer_id"])
     try:
         assert client.info().stage == 0
     finally:
         client.close()
 
 
+class Intruder:
+    """A gRPC server of an outsider: it answers every stage method with UNAVAILABLE and keeps what each
+    call carried (its metadata, the join token among it if a trainer sent one)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+
+        def handler(method: str):
+            def record(request: bytes, context: grpc.ServicerContext) -> None:
+                self.calls.append((method, dict(context.invocation_metadata())))
+                context.abort(grpc.StatusCode.UNAVAILABLE, "busy")
+
+            return grpc.unary_unary_rpc_method_handler(record)
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {m: handler(m) for m in REQUESTS}),)
+        )
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+
+def test_an_outsider_who_joins_the_dht_with_its_own_key_gets_no_call_and_no_token(guarded, tmp_path):
+    """An outsider reads everything public, learns the coordinator's DHT address (say, by scanning),
+    joins the DHT with a key of its own and publishes a stage-0 record, signed by that key, that
+    points at its own server and claims a huge throughput. The run's DHT takes none of it, no
+    trainer calls it, and it never sees the join token."""
+    public = httpx.get(f"{guarded.url}/api/v1/state", timeout=5).json()
+    assert public["stages"][0]["peers"] and not [p for s in public["stages"] for p in s["peers"] if p["dht_addrs"]]
+    insider = {"Authorization": f"Bearer {JOIN_TOKEN}"}
+    listed = httpx.get(f"{guarded.url}/api/v1/state", headers=insider, timeout=5).json()
+    assert all(p["dht_addrs"] for s in listed["stages"] for p in s["peers"])
+    peers = httpx.get(f"{guarded.url}/api/v1/join", headers=insider, timeout=5).json()["initial_peers"]
+
+    intruder = Intruder()
+    key = RSAPrivateKey()
+    validator = RSASignatureValidator(key)
+    node = hivemind.DHT(
+        initial_peers=peers,
+        identity_path=str(_write_identity(key, tmp_path / "intruder.key")),
+        record_validators=[validator],
+        ensure_bootstrap_success=False,  # it starts even when nobody answers it
+        start=True,
+        await_ready=True,
+    )
+    node.record_owner = validator.local_public_key.decode()
+    try:
+        fake = PeerRecord(
+            peer_id=node.peer_id.to_base58(),
+            stage=0,
+            address=f"127.0.0.1:{intruder.port}",
+            public_name="fastest",
+            state="online",
+            throughput=1e6,
+            capacity=1e6,
+        )
+        for _ in range(3):  # it keeps its own copy; no member takes one
+            announce_peer(node, "tiny", fake, ttl=600, timeout=10)
+        reader = member_dht(guarded.url, JOIN_TOKEN)
+        assert "fastest" not in [r.public_name for r in read_stage(reader, "tiny", 0)]
+        assert read_stage(reader, "tiny", 0)  # the real peer's record is there to read
+        shutdown_dht(reader)
+        trainer = child(
+            ["train", "--coordinator", guarded.url, "--steps", "2", "--join-token", JOIN_TOKEN],
+            tmp_path / "trainer.log",
+        )
+        try:
+            assert trainer.popen.wait(180) == 0, trainer.output()[-3000:]
+        finally:
+            trainer.stop()
+        state = httpx.get(f"{guarded.url}/api/v1/state", timeout=5).json()
+        assert "fastest" not in [p["public_name"] for s in state["stages"] for p in s["peers"]]
+    finally:
+        shutdown_dht(node)
+        intruder.server.stop(0)
+    assert intruder.calls == []
+
+
 def test_a_run_with_a_join_token_trains(guarded):
     records = guarded.records()
     assert [r["step"] for r in records] == list(range(STEPS))
     assert all(r["loss"] > 0 for r in records)
-    wait_for_state(guarded.url, lambda s: all(peer_record(s, n)["optimizer_steps"] == STEPS for n in ("p0", "p1")))
+    # Other tests of the module may train further steps on this run: the peers follow the run's step.
+    state = wait_for_state(
+        guarded.url, lambda s: all(peer_record(s, n)["optimizer_steps"] == s["global_step"] for n in ("p0", "p1"))
+    )
+    assert state["global_step"] >= STEPS
     assert [t["steps"] for t in guarded.trainers] == [STEPS]
 
 
@@ -184,16 +286,23 @@ def test_a_forging_node_cannot_overwrite_invent_or_impersonate_records(tmp_path)
         genuine = peer_record(swarm.wait_online(["victim"]), "victim")
         peers = httpx.get(f"{swarm.url}/api/v1/join", timeout=5).json()["initial_peers"]
         key = stage_key("tiny", 0)
-        dhts.append(make_dht(peers, client_mode=True))
+        dhts.append(member_dht(swarm.url))
         subkey = next(s for s in dhts[0].get(key, latest=True).value if s.startswith(genuine["peer_id"]))
         victim_key = subkey[len(genuine["peer_id"]) :]  # `[owner:ssh-rsa ...]`
         forged = dict(genuine, address="203.0.113.66:666", public_name="forged", updated=get_dht_time())
         fake = dict(forged, peer_id="fake-peer", public_name="fake")
         expires = get_dht_time() + 600
         # A node that signs nothing, and one that signs everything with its own key.
-        forgers.append(hivemind.DHT(initial_peers=peers, start=True))
+        # Members of the run (the DHT answers no one else), with certificates of their own.
+        certified = [join_run(swarm.url, RSAPrivateKey(), "trainer", "tiny").authorizer() for _ in range(2)]
+        forgers.append(hivemind.DHT(initial_peers=peers, authorizer=certified[0], start=True))
         forgers.append(
-            hivemind.DHT(initial_peers=peers, record_validators=[ForeignSignature(RSAPrivateKey())], start=True)
+            hivemind.DHT(
+                initial_peers=peers,
+                record_validators=[ForeignSignature(RSAPrivateKey())],
+                authorizer=certified[1],
+                start=True,
+            )
         )
         for forger in forgers:
             forger.store(key, forged, expires, subkey=subkey)  # over the victim's record
@@ -205,7 +314,7 @@ def test_a_forging_node_cannot_overwrite_invent_or_impersonate_records(tmp_path)
         assert announce_peer(dhts[0], "tiny", impostor, ttl=600, timeout=10)  # the victim's id, under its own key
         assert announce_removed(dhts[0], "tiny", genuine["peer_id"], timeout=10)
         assert announce_control(dhts[0], "tiny", ControlState(paused=True), timeout=10)
-        dhts.append(make_dht(peers, client_mode=True))  # a reader that joins after the forgery
+        dhts.append(member_dht(swarm.url))  # a reader that joins after the forgery
         expected = [(genuine["peer_id"], genuine["address"], "victim")]
         deadline = time.monotonic() + 8  # several refreshes of the victim's record, and reads of the coordinator
         while time.monotonic() < deadline:
@@ -271,3 +380,36 @@ def test_a_stage_served_by_hand_asks_for_the_token_given_to_it(tmp_path):
     finally:
         for proc, _ in workers:
             proc.stop()
+
+
+def test_a_revoked_member_is_refused_within_10_s(guarded):
+    """A volunteer joins with an invite and calls a stage worker; the operator revokes the invite.
+    Within 10 s the worker refuses that member's calls, on the connection it already has, and the
+    coordinator refuses to renew its certificate."""
+    url, operator = guarded.url, {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+    minted = httpx.post(f"{url}/api/v1/invites", json={"name": "eve"}, headers=operator, timeout=10)
+    assert minted.status_code == 201, minted.text
+    token = minted.json()["token"]
+    run, _, dht, member = join_dht(url, "trainer", token, client_mode=True)
+    p0 = peer_record(wait_for_state(url, lambda s: peer_record(s, "p0")), "p0")
+    client = StageClient(p0["address"], run, member=member, peer_id=p0["peer_id"])
+    try:
+        assert client.info().stage == 0
+        revoked = httpx.post(f"{url}/api/v1/invites/eve/revoke", headers=operator, timeout=10)
+        assert revoked.status_code == 200 and revoked.json()["revoked"], revoked.text
+        started = time.monotonic()
+        while True:
+            try:
+                client.info()
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err
+                assert "revoked" in err.details()
+                break
+            assert time.monotonic() - started < 10.0, "a revoked member's calls were still answered after 10 s"
+            time.sleep(0.2)
+        with pytest.raises(ConfigError, match="403"):
+            request_certificate(url, member.key, "trainer", token)
+    finally:
+        client.close()
+        member.stop()
+        shutdown_dht(dht)

@@ -1,5 +1,5 @@
 // The live dashboard: polls the coordinator's API every second and redraws the header, the
-// pipeline, the charts, the peer table and the event log from what it returns.
+// pipeline, the charts, the peer table, the invites and the event log from what it returns.
 //
 // Only new history points (?since=) and new events (?after=) are fetched after the first poll.
 // Every string that comes from the API (peer names are user input) reaches the page through
@@ -27,6 +27,7 @@ const dash = {
   lastEventId: null,
   eventsMissing: false,
   eventsRetryAt: 0,
+  invitesRetryAt: 0,
   lastUpdate: null, // Date.now() of the last /api/v1/state that answered
   reachable: null,
   viewAge: 0,
@@ -123,6 +124,15 @@ async function pollEvents() {
   renderEventPlaceholder();
 }
 
+async function pollInvites() {
+  if (Date.now() < dash.invitesRetryAt) return;
+  try {
+    renderInvites(await getJSON("api/v1/invites"));
+  } catch (err) {
+    if (err instanceof NotFound) dash.invitesRetryAt = Date.now() + MISSING_RETRY_MS;
+  }
+}
+
 function resetRun() {
   dash.points = [];
   dash.lastPointT = null;
@@ -134,7 +144,7 @@ function resetRun() {
 
 async function tick() {
   const started = Date.now();
-  await Promise.allSettled([pollState(), pollHistory(), pollEvents()]);
+  await Promise.allSettled([pollState(), pollHistory(), pollEvents(), pollInvites()]);
   setTimeout(tick, Math.max(0, POLL_MS - (Date.now() - started)));
 }
 
@@ -365,6 +375,35 @@ function renderPeerTable(state) {
     },
   );
   $("no-peers").hidden = peers.length > 0;
+}
+
+// Names, identity counts, expiry and revocation: the listing carries no token, and shows none.
+function renderInvites(body) {
+  const invites = body.invites ?? [];
+  const now = coordinatorNow();
+  reconcile(
+    $("invites").tBodies[0],
+    invites,
+    (i) => i.name,
+    () => {
+      const row = el("tr");
+      for (const column of ["name", "identities num", "expires", "state"]) row.append(el("td", column));
+      return row;
+    },
+    (row, i) => {
+      const expired = isNumber(i.expires) && i.expires <= now;
+      const state = i.revoked ? "revoked" : expired ? "expired" : "active";
+      row.dataset.state = state;
+      const cells = row.cells;
+      cells[0].textContent = i.name;
+      cells[1].textContent = isNumber(i.max_peers) ? `${i.identities} / ${i.max_peers}` : String(i.identities);
+      cells[2].textContent = !isNumber(i.expires) ? "never" : expired ? fmtClock(i.expires) : `in ${fmtDuration(i.expires - now)}`;
+      cells[3].replaceChildren(el("span", `state ${state}`, state));
+    },
+  );
+  const placeholder = $("no-invites");
+  placeholder.hidden = invites.length > 0;
+  placeholder.textContent = body.guarded ? "no invites yet" : "open run: anyone may join, no token needed";
 }
 
 function addEvents(events) {

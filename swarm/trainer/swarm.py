@@ -18,6 +18,7 @@ import grpc
 
 from swarm.client import StageClient, deadline
 from swarm.config import ConfigError, RunConfig
+from swarm.identity import Member
 from swarm.join import join_dht
 from swarm.progress import RunLog
 from swarm.rpc import pb
@@ -60,28 +61,34 @@ class SwarmCaller:
         run: RunConfig,
         members: Membership,
         note: Callable[[str], None],
+        member: Member,
         call_timeout: float = 60.0,
-        join_token: str | None = None,
     ):
-        """`note`: a status line next to the progress bar; `call_timeout`: the longest deadline of a
-        call; `join_token`: the run's join token, sent with every call."""
-        self.run, self.members, self.note = run, members, note
+        """`note`: a status line next to the progress bar; `member`: this trainer's run membership (calls
+        go over mutual TLS with its certificate); `call_timeout`: the longest deadline of a call."""
+        self.run, self.members, self.note, self.member = run, members, note, member
         self.trace = members.trainer_id
-        self.join_token = join_token
         self.call_timeout = call_timeout
         self.min_deadline = min(call_timeout, step_hold_s(run) + MIN_CALL_TIMEOUT_S)
-        self.clients: dict[str, StageClient] = {}
+        self.clients: dict[tuple[str, str], StageClient] = {}  # by peer id and address
+        self._generation = member.generation  # of the certificate the clients were made with
         self._clients_lock = threading.Lock()
         self.failures = 0
         self.bans = 0  # failing peers banned (a peer that already left the routing is not banned)
 
-    def client(self, address: str) -> StageClient:
+    def client(self, peer: str, address: str) -> StageClient:
+        """The client for `peer` at `address`: its channel checks that the server there is `peer`."""
         with self._clients_lock:
-            if address not in self.clients:
-                self.clients[address] = StageClient(
-                    address, self.run, timeout=self.call_timeout, join_token=self.join_token
+            if self._generation != self.member.generation:  # a renewed certificate: new channels with it
+                self._generation = self.member.generation
+                for old in self.clients.values():
+                    old.close()
+                self.clients.clear()
+            if (peer, address) not in self.clients:
+                self.clients[peer, address] = StageClient(
+                    address, self.run, timeout=self.call_timeout, member=self.member, peer_id=peer
                 )
-            return self.clients[address]
+            return self.clients[peer, address]
 
     def call(
         self,
@@ -127,7 +134,7 @@ class SwarmCaller:
             start = time.monotonic()
             try:
                 with deadline(timeout):
-                    response = fn(self.client(address))
+                    response = fn(self.client(peer, address))
             except grpc.RpcError as err:
                 if err.code() in REQUEST_FAULTS:
                     raise
@@ -188,8 +195,8 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
                 "reads local files only from its own --data PATH, or with --allow-config-files"
             )
 
-    run, initial_peers, dht = join_dht(
-        coordinator, opts.join_token, opts.join_wait, check=own_files_only, client_mode=True
+    run, initial_peers, dht, member = join_dht(
+        coordinator, "trainer", opts.join_token, opts.join_wait, check=own_files_only, client_mode=True
     )
     if opts.data:
         run = run.with_data(opts.data)
@@ -205,10 +212,11 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
         if start:
             desc += f" from step {start}"
         progress = RunLog(steps, opts.log_json, desc=desc)
-        calls = SwarmCaller(run, members, progress.note, opts.call_timeout, opts.join_token)
+        calls = SwarmCaller(run, members, progress.note, member, opts.call_timeout)
         caller = SpotCheckCaller(calls, members, spot)
         return run_training(
             run, caller, progress, steps, opts.inflight, start=start, on_step=lambda r: members.report(r, calls.bans)
         )
     finally:
+        member.stop()
         members.close()
