@@ -64,7 +64,9 @@ def serve_stage(
         )
     server.stop(grace=5).wait()
     worker.close()
+    peak = f", peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**20:.0f} MiB" if dev.type == "cuda" else ""
     print(
-        f"stage {stage}: stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps", flush=True
+        f"stage {stage}: stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps{peak}",
+        flush=True,
     )
     return 0
