@@ -103,17 +103,19 @@ class StageWorker:
         dht=None,
         checkpoints: CheckpointWriter | None = None,
         faults: Faults = NO_FAULTS,
+        cache_size: int | None = None,
     ):
         """With a `dht`, the worker averages its steps with the other peers of its stage;
         `checkpoints` saves the stage's state every so many steps (closed with the worker); `faults`:
-        what a test makes this worker do wrong (peer/options.py)."""
+        what a test makes this worker do wrong (peer/options.py); `cache_size`: the forward graphs
+        kept for their backward (default `serve.cache_size`), which bounds its activation memory."""
         self.run, self.stage_index, self.device, self.faults = run, stage, device, faults
         self.stage = Stage(run, stage).to(device)
         self.stage.train()
         self.updater = make_updater(run, stage, self.stage, dht)
         self.queue = WorkQueue()
         self.lock = threading.Lock()  # held while parameters or gradients change
-        self.cache = ForwardCache(run.serve.cache_size)
+        self.cache = ForwardCache(run.serve.cache_size if cache_size is None else cache_size)
         self.stepper = Stepper(
             run,
             stage,
@@ -287,7 +289,7 @@ class StageWorker:
         if first.targets is not None:
             return self._forward_loss(batch)
         x = self._inputs(batch)
-        cache = first.train and len(batch) == 1 and self.run.serve.cache_size > 0
+        cache = first.train and len(batch) == 1 and self.cache.size > 0
         with torch.set_grad_enabled(cache), autocast(self.device, self.run.model.dtype):
             if cache and not self.stage.is_first:
                 x.requires_grad_(True)

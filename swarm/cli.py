@@ -163,14 +163,38 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
         join_token=args.join_token,
         join_wait=args.join_wait,
         ready_file=args.ready_file,
+        inflight=args.inflight,
+        max_memory=args.max_memory,
         faults=Faults(
             delay_per_sample=args.delay_per_sample, corrupt_outputs=args.corrupt_outputs, log_steps=args.log_steps
         ),
     )
 
 
+def peer_dry_run(args: argparse.Namespace) -> int:
+    """`swarm peer --dry-run`: every stage's memory estimate on this device, marking those that fit;
+    0 when one does."""
+    from swarm import memory
+    from swarm.device import resolve_device
+    from swarm.join import fetch_join
+
+    if args.coordinator:
+        run, _ = fetch_join(args.coordinator, join_token=args.join_token, wait_s=args.join_wait)
+    else:
+        run = load_config(args.config)
+    device = resolve_device(args.device)
+    inflight = memory.peer_inflight(run, args.inflight)
+    text, fits = memory.dry_run(run, device, inflight, memory.budget(device, args.max_memory))
+    print(text)
+    return 0 if fits else 1
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
     args.coordinator = coordinator_url(args.coordinator, bool(args.config))
+    if args.dry_run:
+        if bool(args.coordinator) == bool(args.config):
+            raise ConfigError("swarm peer --dry-run: give --coordinator URL or --config C (one of them)")
+        return peer_dry_run(args)
     if args.coordinator:
         if args.config:
             raise ConfigError("swarm peer: give --coordinator (join a run) or --config (serve by hand), not both")
@@ -192,6 +216,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
         threads=args.threads,
         join_token=args.join_token,
         ready_file=args.ready_file,
+        inflight=args.inflight,
+        max_memory=args.max_memory,
     )
 
 
@@ -349,6 +375,11 @@ def positive_float(text: str) -> float:
     if value == 0:
         raise argparse.ArgumentTypeError(f"{text} must be above 0")
     return value
+
+
+def memory_gb(text: str) -> int:
+    """--max-memory: gigabytes (GiB), as bytes."""
+    return int(positive_float(text) * 2**30)
 
 
 def http_url(text: str) -> str:
@@ -523,6 +554,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto, cpu, cuda or cuda:N (default: $SWARM_DEVICE, else auto)",
     )
     peer.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    peer.add_argument(
+        "--inflight",
+        metavar="N",
+        type=non_negative_int,
+        help="forward graphs kept for their backward, each a microbatch of activations in memory; the rest are "
+        "recomputed in backward (default: the run's serve.cache_size)",
+    )
+    peer.add_argument(
+        "--max-memory",
+        metavar="GB",
+        type=memory_gb,
+        help="memory a stage may take on the device, below what the device has (default: all it has); "
+        "a stage that needs more is refused",
+    )
+    peer.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print every stage's memory estimate on this device, marking those that fit, and exit "
+        "(0 when one fits) without serving",
+    )
     peer.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
