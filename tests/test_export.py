@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarm.client import StageClient
 from swarm.config import load_config
-from swarm.data import ByteTokenizer
+from swarm.tokenizer import ByteTokenizer
 from swarm.export import ExportError, export_swarm
 from swarm.generate import load_export
 from swarm.join import fetch_join, join_run
@@ -124,7 +124,7 @@ def test_generate_prints_a_continuation(trained):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("def ") and len(done.stdout.encode()) > 40
-    assert "40 bytes in" in done.stderr
+    assert "40 tokens in" in done.stderr
 
 
 def test_exporting_again_replaces_the_previous_export_and_force_keeps_other_files(trained, tmp_path):
