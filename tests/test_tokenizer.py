@@ -9,7 +9,7 @@ import hashlib
 import json
 import logging
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -22,6 +22,7 @@ from swarm.join import fetch_join, tokenizer_cache
 from swarm.tokenizer import EOS, ByteTokenizer, HFTokenizer, load_tokenizer, train_tokenizer
 from tests.conftest import CONFIGS, run_cli
 from tests.processes import start_coordinator
+from tests.test_hostile_coordinator import HostileCoordinator
 
 TINY = CONFIGS / "tiny.toml"
 TEXT = "def main():\n    print('héllo, wörld ☃')  # SWARM\n\t\x00 日本語のテキスト  "
@@ -189,26 +190,17 @@ def test_a_joiner_gets_the_runs_tokenizer_from_a_real_coordinator_and_caches_it(
         coordinator.stop()
 
 
-class LyingCoordinator(BaseHTTPRequestHandler):
+class LyingCoordinator(HostileCoordinator):
     """Answers /api/v1/join for a run with a tokenizer, and serves another file than the one it hashed."""
 
     config: dict
     digest: str
     served: bytes
 
-    def do_GET(self):  # noqa: N802 (the name http.server calls)
+    def body(self) -> bytes:
         if self.path == "/api/v1/join":
-            body = json.dumps({"config": self.config, "initial_peers": [], "tokenizer_sha256": self.digest}).encode()
-        else:
-            body = self.served
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+            return json.dumps({"config": self.config, "initial_peers": [], "tokenizer_sha256": self.digest}).encode()
+        return self.served
 
 
 def lying(config: dict, digest: str, served: bytes) -> tuple[ThreadingHTTPServer, str]:
