@@ -104,6 +104,7 @@ def test_the_model_vocabulary_follows_the_tokenizer_named_relative_to_the_config
     dumped.parent.mkdir()
     dumped.write_text(dump_config(run))
     assert load_config(dumped) == run  # an absolute path reads back the same from anywhere
+    assert run.with_data(str(TINY)).data.tokenizer == run.data.tokenizer  # a trainer's --data keeps it
 
 
 def test_a_vocab_size_that_differs_from_the_tokenizers_is_refused_with_both_numbers(tmp_path):
