@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
@@ -32,6 +32,7 @@ from swarm import __version__
 from swarm.config import RunConfig
 from swarm.identity import CertificateError, identity_of, load_public_key, peer_id_of
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
+from swarm.tokenizer import HFTokenizer, load_tokenizer
 
 STATIC_DIR = Path(__file__).parent / "static"  # the dashboard: index.html, app.js, chart.js, style.css
 join_bearer = HTTPBearer(
@@ -69,6 +70,11 @@ class JoinResponse(BaseModel):
     config: RunConfig = Field(description="the run configuration; parse it with swarm.config.parse_config")
     initial_peers: list[str] = Field(description="multiaddrs of the coordinator's DHT node, to bootstrap from")
     version: str
+    tokenizer_sha256: str | None = Field(
+        None,
+        description="sha256 of the run's tokenizer.json, served at /api/v1/tokenizer; "
+        "None: the byte tokenizer, nothing to download",
+    )
 
 
 class StageState(BaseModel):
@@ -182,6 +188,10 @@ def create_app(
     admitted = joiner if guarded else anyone
     refused = {401: {"model": ErrorDetail}, 403: {"model": ErrorDetail}} if guarded else {}
 
+    # Read once: what is served is what was hashed, whatever happens to the file later.
+    tokenizer = load_tokenizer(run.data.tokenizer)
+    served = tokenizer if isinstance(tokenizer, HFTokenizer) else None
+
     @app.get(
         "/api/v1/join",
         response_model=JoinResponse,
@@ -190,7 +200,25 @@ def create_app(
         summary="How to join this run",
     )
     def join() -> JoinResponse:
-        return JoinResponse(run_id=run.run_id, config=run, initial_peers=join_info.initial_peers, version=__version__)
+        return JoinResponse(
+            run_id=run.run_id,
+            config=run,
+            initial_peers=join_info.initial_peers,
+            version=__version__,
+            tokenizer_sha256=served.digest if served is not None else None,
+        )
+
+    @app.get(
+        "/api/v1/tokenizer",
+        response_class=Response,
+        responses={200: {"content": {"application/json": {}}}, 404: {"model": ErrorDetail}, **refused},
+        dependencies=[Depends(admitted)],
+        summary="The run's tokenizer.json (its sha256 is in the join answer)",
+    )
+    def tokenizer_file() -> Response:
+        if served is None:
+            raise HTTPException(404, "this run uses the byte tokenizer: there is no tokenizer file")
+        return Response(served.data, media_type="application/json")
 
     if ca is not None:
 

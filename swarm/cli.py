@@ -406,6 +406,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from swarm.generate import load_export, sample
+    from swarm.tokenizer import load_tokenizer
 
     if not args.prompt:
         raise ConfigError("--prompt: must not be empty")
@@ -414,14 +415,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     model, run = load_export(args.model)
+    tokenizer = load_tokenizer(run.data.tokenizer)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"loaded {args.model}: {parameters:,} parameters, context {run.model.seq_len} bytes", file=sys.stderr)
+    print(
+        f"loaded {args.model}: {parameters:,} parameters, vocabulary {tokenizer.vocab_size}, "
+        f"context {run.model.seq_len} tokens",
+        file=sys.stderr,
+    )
     start = time.perf_counter()
-    text = sample(
-        model, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, seed=args.seed
+    text, count = sample(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        seed=args.seed,
     )
     print(args.prompt + text, flush=True)
-    print(f"{args.max_new_tokens} bytes in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print(f"{count} tokens in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from swarm.tokenizer import train_from_files
+
+    print(train_from_files(Path(args.data), args.vocab_size, args.out), flush=True)
     return 0
 
 
@@ -685,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
         "export",
         help="gather the model from a live swarm into one Hugging Face checkpoint",
         description="Fetch every stage's weights from live peers (all at one optimizer step) and write a Hugging "
-        "Face Llama checkpoint: model.safetensors, config.json, the byte tokenizer, swarm_export.json.",
+        "Face Llama checkpoint: model.safetensors, config.json, the run's tokenizer, swarm_export.json.",
     )
     export.add_argument("--coordinator", required=True, type=http_url, metavar="URL", help="the run's coordinator")
     export.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory to write (created)")
@@ -712,25 +731,48 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--model", required=True, type=Path, metavar="DIR", help="the export's directory")
     generate.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
     generate.add_argument(
-        "--max-new-tokens", type=positive_int, default=200, metavar="N", help="bytes to generate (default 200)"
+        "--max-new-tokens", type=positive_int, default=200, metavar="N", help="tokens to generate (default 200)"
     )
     generate.add_argument(
         "--temperature",
         type=non_negative_float,
         default=0.8,
         metavar="T",
-        help="sampling temperature; 0 takes the most likely byte (default 0.8)",
+        help="sampling temperature; 0 takes the most likely token (default 0.8)",
     )
     generate.add_argument(
         "--top-k",
         type=non_negative_int,
         default=40,
         metavar="K",
-        help="sample among the K likeliest bytes; 0: among all (default 40)",
+        help="sample among the K likeliest tokens; 0: among all (default 40)",
     )
     generate.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="random seed (default 0)")
     generate.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     generate.set_defaults(func=cmd_generate)
+
+    tokenizer = sub.add_parser(
+        "tokenizer",
+        help="train a tokenizer for a run ([data] tokenizer = its file)",
+        description="Make a tokenizer.json for a run's [data] tokenizer.",
+    )
+    tokenizer_actions = tokenizer.add_subparsers(dest="action", required=True, metavar="ACTION", prog="swarm tokenizer")
+    train_tok = tokenizer_actions.add_parser(
+        "train",
+        help="fit a byte-level BPE to text files",
+        description="Fit a byte-level BPE (the tokenizers package; any text encodes, <|endoftext|> is its special "
+        "token) to a text file or a folder of text files, read one file at a time, and write it as tokenizer.json.",
+    )
+    train_tok.add_argument(
+        "--data", required=True, type=data_path, metavar="PATH", help="a text file, or a folder of text files"
+    )
+    train_tok.add_argument(
+        "--vocab-size", required=True, type=positive_int, metavar="N", help="tokens, 257 (bytes + 1) or more"
+    )
+    train_tok.add_argument(
+        "--out", required=True, type=ready_file_path, metavar="FILE", help="the tokenizer.json to write"
+    )
+    train_tok.set_defaults(func=cmd_tokenizer_train)
 
     demo = sub.add_parser(
         "demo",
@@ -748,7 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--prompt", default="The ", help="start of the sample drawn from the exported model")
     demo.set_defaults(func=cmd_demo)
-    for command in [*sub.choices.values(), invite, revoke]:
+    for command in [*sub.choices.values(), invite, revoke, train_tok]:
         command.add_argument(
             "--log-level",
             choices=LEVELS,

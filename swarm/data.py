@@ -1,9 +1,9 @@
-"""Text in, batches of byte tokens out.
+"""Text in, batches of tokens out.
 
-The tokenizer is byte-level (vocab 256): it needs no download and covers any text. Sources: the
-embedded corpus (CPython's own documentation topics, shipped with every Python install), local
-text files and folders, or a Hugging Face `datasets` dataset. The last `val_fraction` of the token
-stream is held out for validation.
+The run's tokenizer (swarm/tokenizer.py: bytes by default, or a tokenizer.json) turns the text into
+one token stream. Sources: the embedded corpus (CPython's own documentation topics, shipped with
+every Python install), local text files and folders, or a Hugging Face `datasets` dataset. The last
+`val_fraction` of the token stream is held out for validation.
 
 Batches are a pure function of (seed, step, microbatch index): every trainer that shares a config
 sees the same data in the same order, whichever process draws it.
@@ -17,18 +17,9 @@ from pathlib import Path
 import torch
 
 from swarm.config import ConfigError, DataConfig
+from swarm.tokenizer import ByteTokenizer, load_tokenizer
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".tex"}
-
-
-class ByteTokenizer:
-    vocab_size = 256
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-
-    def decode(self, ids: torch.Tensor | list[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 def embedded_text() -> str:
@@ -78,16 +69,24 @@ class Batch:
 class TokenStream:
     """A train/validation split of one token stream, sampled as random windows of seq_len + 1."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, val_fraction: float, seed: int):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        seq_len: int,
+        val_fraction: float,
+        seed: int,
+        vocab_size: int = ByteTokenizer.vocab_size,
+    ):
         n_val = max(int(len(tokens) * val_fraction), seq_len + 1)
         if len(tokens) - n_val < seq_len + 1:
             raise ConfigError(f"data: only {len(tokens)} tokens, too few for seq_len {seq_len} with a validation split")
         self.train, self.val = tokens[:-n_val], tokens[-n_val:]
-        self.seq_len, self.seed = seq_len, seed
+        self.seq_len, self.seed, self.vocab_size = seq_len, seed, vocab_size
 
     @classmethod
     def from_config(cls, cfg: DataConfig, seq_len: int, seed: int) -> TokenStream:
-        return cls(ByteTokenizer().encode(load_text(cfg)), seq_len, cfg.val_fraction, seed)
+        tok = load_tokenizer(cfg.tokenizer)
+        return cls(tok.encode(load_text(cfg)), seq_len, cfg.val_fraction, seed, tok.vocab_size)
 
     def _windows(self, tokens: torch.Tensor, starts: torch.Tensor) -> Batch:
         idx = starts[:, None] + torch.arange(self.seq_len + 1)
@@ -103,7 +102,7 @@ class TokenStream:
     def unigram_loss(self) -> float:
         """The baseline a model must beat: cross-entropy (nats per token) of the validation split under
         the training split's token frequencies (add-one smoothed), i.e. a model that ignores context."""
-        counts = torch.bincount(self.train, minlength=ByteTokenizer.vocab_size).double() + 1.0
+        counts = torch.bincount(self.train, minlength=self.vocab_size).double() + 1.0
         logp = (counts / counts.sum()).log()
         return float(-logp[self.val].mean())
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from swarm.config import ConfigError, DataConfig
-from swarm.data import ByteTokenizer, TokenStream, load_text
+from swarm.data import TokenStream, load_text
+from swarm.tokenizer import ByteTokenizer
 
 
 def test_tokenizer_round_trips_any_text():
