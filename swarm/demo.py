@@ -277,9 +277,9 @@ def run_demo(opts: DemoOptions) -> int:
 
 
 def _unigram(run: RunConfig) -> float:
-    from swarm.data import TokenStream
+    from swarm.data import ByteTokenizer, TrainStream
 
-    return TokenStream.from_config(run.data, run.model.seq_len, run.training.seed).unigram_loss()
+    return TrainStream.local(run.data, run.model.seq_len, run.training.seed, ByteTokenizer()).unigram_loss()
 
 
 def _summary_rows(
