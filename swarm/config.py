@@ -124,13 +124,17 @@ class DataConfig(_Strict):
     source: Literal["embedded", "files", "huggingface"] = Field(
         "embedded", description="the training text; embedded is CPython's documentation, shipped with Python"
     )
-    path: str | None = Field(None, description="file or folder, for source = 'files'")
-    dataset: str | None = Field(None, description="datasets.load_dataset name, for 'huggingface'")
+    path: str | None = Field(
+        None, description="file or folder, for source = 'files': text, .jsonl and .parquet files, read by suffix"
+    )
+    dataset: str | None = Field(None, description="datasets.load_dataset name, for 'huggingface' (streamed)")
     dataset_config: str | None = Field(None, description="its configuration name")
     data_files: list[str] | None = Field(None, description="its data_files")
     split: str = Field("train", description="its split")
-    text_field: str = Field("text", description="its column of text")
-    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="the end of the text held out for validation")
+    text_field: str = Field("text", min_length=1, description="the field of text in .jsonl, .parquet and datasets")
+    val_fraction: float = Field(
+        0.05, gt=0, lt=0.5, description="the fraction of documents held out for validation (by a stable hash)"
+    )
     tokenizer: str = Field(
         "bytes",
         min_length=1,

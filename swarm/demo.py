@@ -278,9 +278,9 @@ def run_demo(opts: DemoOptions) -> int:
 
 
 def _unigram(run: RunConfig) -> float:
-    from swarm.data import TokenStream
+    from swarm.data import TrainStream
 
-    return TokenStream.from_config(run.data, run.model.seq_len, run.training.seed).unigram_loss()
+    return TrainStream.local(run.data, run.model.seq_len, run.training.seed).unigram_loss()
 
 
 def _summary_rows(

@@ -19,7 +19,8 @@ import torch
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from swarm.config import ConfigError
+from swarm.config import ConfigError, DataConfig
+from swarm.sources import readers
 
 log = logging.getLogger(__name__)
 
@@ -125,25 +126,16 @@ def check_vocab_size(vocab_size: int) -> None:
         raise ConfigError(f"--vocab-size: {vocab_size} must be between {MIN_VOCAB} (256 bytes + {EOS}) and {MAX_VOCAB}")
 
 
-def text_files(path: Path) -> list[Path]:
-    """The text files at `path`: the file itself, or those under the folder with a text suffix."""
-    from swarm.data import TEXT_SUFFIXES  # swarm.data imports this module
-
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES)
-    files = [p for p in files if p.is_file()]
-    if not files:
-        raise ConfigError(f"--data: no text files ({', '.join(sorted(TEXT_SUFFIXES))}) under {path}")
-    return files
-
-
 def train_from_files(path: Path, vocab_size: int, out: Path) -> str:
-    """`swarm tokenizer train`: fit a tokenizer to the text files at `path`, one file read at a time
-    (the trainer shows its progress); the summary line to print."""
+    """`swarm tokenizer train`: fit a tokenizer to the documents at `path` (text, .jsonl and .parquet
+    files, streamed as a run reads them; the trainer shows its progress); the summary line to print."""
     start = time.perf_counter()
     check_vocab_size(vocab_size)  # before the files are listed
-    files = text_files(path)
-    log.info(f"training a byte-level BPE of {vocab_size} tokens on {len(files)} files under {path}")
-    texts = (p.read_text(encoding="utf-8", errors="replace") for p in files)
+    if not path.exists():
+        raise ConfigError(f"--data: {path} does not exist")
+    parts = readers(DataConfig(source="files", path=str(path)))  # what a run with this data would read
+    log.info(f"training a byte-level BPE of {vocab_size} tokens on {len(parts)} shards of {path}")
+    texts = (text for _, read in parts for text in read())
     tok = train_tokenizer(texts, vocab_size, out, show_progress=True)
     short = tok.vocab_size < vocab_size
     asked = f" (asked for {vocab_size}: the corpus has no more merges)" if short else ""

@@ -29,6 +29,7 @@ TINY = {
         *("--freeze-at", "5", "--freeze-s", "2", "--timeout-s", "240", *LOGS),
     ],
     "coordinator": ["--stages", "2", "--peers", "10", "--requests", "5", "--timeout-s", "60", *LOGS],
+    "data": ["--gb", "0.01", "--files", "3", "--config", "configs/tiny.toml", "--steps", "2", "--warmup", "1"],
     "failover": ["--steps", "20", "--warmup-s", "3", "--settle-s", "2", "--window", "2", "--hold", "2", *LOGS],
     "fuzz": ["--cases", "30", *LOGS],
     "local": ["--config", "configs/tiny.toml", "--steps", "3", "--warmup", "1"],
@@ -52,6 +53,7 @@ def digest(path) -> str:
 # Longest first, so that two at a time finish about together.
 ORDER = [
     *("verify", "failover", "chaos", "averaging", "rebalance", "pipeline", "scale", "coordinator", "fuzz", "wire"),
+    "data",
     "local",
 ]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from swarm.config import ConfigError, RunConfig, dump_config, load_config
-from swarm.data import TokenStream
+from swarm.data import TrainStream
 from swarm.join import fetch_join, tokenizer_cache
 from swarm.tokenizer import EOS, ByteTokenizer, HFTokenizer, load_tokenizer, train_tokenizer
 from tests.conftest import CONFIGS, run_cli
@@ -87,8 +87,11 @@ def test_a_missing_or_broken_tokenizer_file_is_refused_naming_it(tmp_path):
 def test_the_token_stream_uses_the_runs_tokenizer(tmp_path):
     config, tok = tokenizer_run(tmp_path)
     run = load_config(config)
-    stream = TokenStream.from_config(run.data, run.model.seq_len, run.training.seed)
-    assert stream.vocab_size == tok.vocab_size and int(stream.train.max()) < tok.vocab_size
+    stream = TrainStream.local(run.data, run.model.seq_len, run.training.seed)
+    assert stream.tokenizer.digest == tok.digest
+    batch = stream.next_microbatch(8)
+    assert int(batch.inputs.max()) < tok.vocab_size
+    assert (batch.inputs == tok.eos_id).any()  # documents are separated by the end-of-document token
     assert stream.unigram_loss() < torch.log(torch.tensor(float(tok.vocab_size)))
 
 

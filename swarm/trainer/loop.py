@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from swarm.config import RunConfig
-from swarm.data import Batch, TokenStream
+from swarm.data import Batch, TrainStream
 from swarm.progress import RunLog, eval_due
 from swarm.rpc import pb
 from swarm.trainer.caller import StageCaller
@@ -71,10 +71,11 @@ def run_training(
 
     While the operator keeps the run paused, no new step starts (the one in flight finishes).
     Steps are global: the loop runs steps start .. start + steps - 1 (a trainer joining a swarm
-    starts at the swarm's step), and data order follows the global step. A validation pass after
-    step s asks for the weights after s + 1 steps."""
+    starts at the swarm's step). Each microbatch's windows are reported trained to the data stream
+    once its backward has come back. A validation pass after step s asks for the weights after
+    s + 1 steps."""
     t = run.training
-    data = TokenStream.from_config(run.data, run.model.seq_len, t.seed)
+    data = TrainStream.local(run.data, run.model.seq_len, t.seed)
     val = data.val_batches(t.eval_batches, t.micro_batch)
     desc = progress.bar.desc  # the bar's own description, shown again when a pause ends
     pool = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="microbatch")
@@ -88,11 +89,13 @@ def run_training(
                 while caller.paused():
                     time.sleep(PAUSE_CHECK_S)
                 progress.note(desc)
-            jobs = [
-                pool.submit(microbatch, caller, data.microbatch(step, i, t.micro_batch), step, f"{step}.{i}")
-                for i in range(t.accumulation)
-            ]
-            loss = sum(j.result() for j in jobs) / len(jobs)
+            batches = [data.next_microbatch(t.micro_batch) for _ in range(t.accumulation)]
+            jobs = [pool.submit(microbatch, caller, b, step, f"{step}.{i}") for i, b in enumerate(batches)]
+            losses = []
+            for batch, job in zip(batches, jobs, strict=True):
+                losses.append(job.result())
+                data.trained(batch)
+            loss = sum(losses) / len(losses)
             done += len(jobs)
             val_loss = None
             if eval_due(i, steps, t.eval_every):
