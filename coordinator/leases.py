@@ -11,8 +11,8 @@ epoch starts, every shard again from offset 0.
 A pure policy (an injected clock, no HTTP), like swarm/routing.py. The state is written whole to
 `state_dir/leases.json` at each change (coordinator.invites.write_private), before it is answered:
 what a trainer was told is what a restarted coordinator finds, so a restart does not start the epoch
-again. Leases found at a start get a full `ttl_s` from then: their holders could not renew while the
-coordinator was down.
+again. Leases found at a start get a full `ttl_s` from the first request served: their holders could not
+renew while the coordinator was down.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.invites import write_private
-from swarm.config import ConfigError, format_validation_error
+from coordinator.invites import read_state, write_private
+from swarm.config import ConfigError
 
 DEFAULT_TTL_S = 30.0
 LEASE_ID_BYTES = 16
@@ -94,31 +94,23 @@ class ShardLeases:
             raise ConfigError("data: the run's data has no shards to lease")
         self.names, self.path, self.ttl_s, self.clock = list(names), path, ttl_s, clock
         self._lock = threading.Lock()
+        self._restored = False  # leases read from the file, not yet given their time from the first request
         self._state = self._load()
 
     def _load(self) -> LeaseFile:
         fresh = LeaseFile(names=self.names, shards=[ShardProgress() for _ in self.names])
         if self.path is None or not self.path.exists():
             return fresh
-        try:
-            saved = LeaseFile.model_validate_json(self.path.read_bytes())
-        except OSError as err:
-            raise ConfigError(f"{self.path}: cannot read the run's shard leases ({err})") from None
-        except ValidationError as err:
-            raise ConfigError(
-                f"{format_validation_error(err, str(self.path))}\n(the run's shard leases: fix the file, or remove "
-                "it to start the data from its first epoch)"
-            ) from None
+        fix = "remove it to start the data from its first epoch"
+        saved = read_state(self.path, LeaseFile, "the run's shard leases", fix)
         if saved.names != self.names or len(saved.shards) != len(self.names):
             raise ConfigError(
                 f"{self.path}: the shard leases are of other data ({len(saved.names)} shards, not the "
                 f"{len(self.names)} of this run's data section): remove the file to start this data from its "
                 "first epoch"
             )
-        later = self.clock() + self.ttl_s
-        return saved.model_copy(
-            update={"leases": [lease.model_copy(update={"expires": later}) for lease in saved.leases]}
-        )
+        self._restored = bool(saved.leases)
+        return saved
 
     def _save(self, state: LeaseFile) -> None:
         """Write the state first, then take it: what a trainer is told is what a restart finds."""
@@ -128,6 +120,10 @@ class ShardLeases:
 
     def _live(self, now: float) -> LeaseFile:
         """The state without the leases expired at `now`, and in the next epoch when every shard is done."""
+        if self._restored:  # their holders could not renew while the coordinator was down, nor while it started
+            self._restored = False
+            later = [lease.model_copy(update={"expires": now + self.ttl_s}) for lease in self._state.leases]
+            self._state = self._state.model_copy(update={"leases": later})
         state = self._state
         leases = [lease for lease in state.leases if lease.expires > now]
         if len(leases) != len(state.leases):
