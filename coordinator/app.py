@@ -20,12 +20,14 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from coordinator.api_control import ErrorDetail, control_router, token_matches
+from coordinator.api_data import data_router
 from coordinator.api_history import history_router
 from coordinator.api_invites import invites_router
 from coordinator.ca import RunCA
 from coordinator.control import OperatorControl
 from coordinator.history import History, point_of
 from coordinator.invites import InviteError, InviteRefused, Invites, UnknownInvite
+from coordinator.leases import ShardLeases
 from coordinator.metrics import metrics_router
 from coordinator.view import ViewHolder
 from swarm import __version__
@@ -153,11 +155,13 @@ def create_app(
     control: OperatorControl | None = None,
     history: History | None = None,
     ca: RunCA | None = None,
+    leases: ShardLeases | None = None,
 ) -> FastAPI:
     """The coordinator's HTTP app; without a `history` store it keeps the history in memory only. When
-    the control's invites guard the run (a join token, or invite-only), /api/v1/join and
-    /api/v1/certificate answer only requests that carry a valid token (reading the swarm stays open).
-    Without `control`, an open run that nobody controls."""
+    the control's invites guard the run (a join token, or invite-only), /api/v1/join,
+    /api/v1/certificate and the shard leases answer only requests that carry a valid token (reading
+    the swarm stays open). Without `control`, an open run that nobody controls; without `leases`, no
+    data endpoints (trainers then read every shard themselves)."""
     history = history if history is not None else History(Path(":memory:"))
     invites = control.invites if control is not None else Invites(None)
     app = FastAPI(
@@ -287,6 +291,8 @@ def create_app(
 
     app.include_router(control_router(view_holder, control))  # operator-only (coordinator.api_control)
     app.include_router(invites_router(invites, control))  # /api/v1/invites (coordinator.api_invites)
+    if leases is not None:
+        app.include_router(data_router(leases, admitted, refused))  # /api/v1/data (coordinator.api_data)
 
     # The live dashboard: static files shipped in the package, polling the API above.
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
