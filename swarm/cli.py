@@ -88,6 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         steps=args.steps,
         inflight=args.inflight,
         log_json=args.log_json,
+        log_windows=args.log_windows,
         device=args.device,
         data=args.data,
         allow_config_files=args.allow_config_files,
@@ -244,6 +245,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         tls=tls_files(args.tls_cert, args.tls_key),
         invite_only=args.invite_only,
         cert_ttl=datetime.timedelta(hours=args.certificate_hours),
+        lease_ttl_s=args.lease_ttl,
     )
 
 
@@ -500,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="run configuration (TOML), e.g. configs/tiny.toml")
     train.add_argument("--steps", type=positive_int, help="optimizer steps to run (default: training.steps)")
     train.add_argument("--log-json", metavar="PATH", help="write one JSON object per optimizer step to PATH")
+    train.add_argument("--log-windows", metavar="PATH", help=argparse.SUPPRESS)  # the windows each microbatch trained
     train.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     train.add_argument("--peers", metavar="ADDR0,ADDR1,...", help="one stage worker per stage, in stage order")
     train.add_argument("--inflight", type=positive_int, default=4, help="microbatches in flight at once (default 4)")
@@ -661,6 +664,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=24.0,
         metavar="H",
         help="how long the run certificates of peers and trainers are valid; they renew them halfway (default: 24)",
+    )
+    coord.add_argument(
+        "--lease-ttl",
+        type=positive_float,
+        default=30.0,
+        metavar="S",
+        help="a trainer's lease of a data shard not renewed for this long expires, and the shard goes to the "
+        "next trainer from where it stopped (default: 30)",
     )
     coord.set_defaults(func=cmd_coordinator)
     actions = coord.add_subparsers(

@@ -133,7 +133,10 @@ def train_from_files(path: Path, vocab_size: int, out: Path) -> str:
     check_vocab_size(vocab_size)  # before the files are listed
     if not path.exists():
         raise ConfigError(f"--data: {path} does not exist")
-    parts = readers(DataConfig(source="files", path=str(path)))  # what a run with this data would read
+    try:
+        parts = readers(DataConfig(source="files", path=str(path)))  # what a run with this data would read
+    except ConfigError as err:  # named as the option that gave the path
+        raise ConfigError(str(err).replace("data.path:", "--data:", 1)) from None
     log.info(f"training a byte-level BPE of {vocab_size} tokens on {len(parts)} shards of {path}")
     texts = (text for _, read in parts for text in read())
     tok = train_tokenizer(texts, vocab_size, out, show_progress=True)

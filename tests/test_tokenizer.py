@@ -151,7 +151,7 @@ def test_swarm_tokenizer_train_writes_a_tokenizer_from_a_folder_of_text_files(tm
         (["--vocab-size", "5000000"], "--vocab-size: 5000000 must be between 257 (256 bytes + <|endoftext|>) and"),
         (["--vocab-size", "many"], "--vocab-size: 'many' is not an integer"),
         (["--data", "{tmp}/nothing"], "--data: {tmp}/nothing does not exist"),
-        (["--data", "{tmp}/empty"], "--data: no text files (.csv, .html, .json, .md, .py, .rst, .tex, .txt) under"),
+        (["--data", "{tmp}/empty"], "--data: no data files (.csv, .html, .json, .jsonl, .md, .parquet,"),
         (["--out", "{tmp}/no/folder/tok.json"], "--out: {tmp}/no/folder/tok.json: the folder {tmp}/no/folder does not"),
         (["--out", "{tmp}"], "--out: {tmp}: a folder, not a file"),
     ],

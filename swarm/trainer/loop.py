@@ -15,9 +15,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from swarm.config import RunConfig
-from swarm.data import Batch, TrainStream
+from swarm.data import Batch, DataExhausted, LocalShards, ShardSource, TrainStream, shards
 from swarm.progress import RunLog, eval_due
 from swarm.rpc import pb
+from swarm.tokenizer import load_tokenizer
 from swarm.trainer.caller import StageCaller
 from swarm.wire import encode
 
@@ -57,6 +58,21 @@ def microbatch(caller: StageCaller, batch: Batch, step: int, name: str, train: b
     return out.loss
 
 
+def draw(data: TrainStream, count: int, size: int) -> list[Batch]:
+    """The step's `count` microbatches of `size`; fewer when the stream runs dry mid-step: a trainer
+    that leases its shards may have drawn every window of the shards it holds, and it gets the next
+    one only once those are trained (the rest of its epoch is leased to other trainers)."""
+    batches: list[Batch] = []
+    for _ in range(count):
+        try:
+            batches.append(data.next_microbatch(size))
+        except DataExhausted:
+            if not batches:
+                raise
+            break
+    return batches
+
+
 def run_training(
     run: RunConfig,
     caller: StageCaller,
@@ -65,9 +81,11 @@ def run_training(
     inflight: int,
     start: int = 0,
     on_step: Callable[[dict], None] | None = None,
+    source: ShardSource | None = None,
 ) -> list[dict]:
     """Train through `caller`, reporting to `progress`: one global batch per step, `inflight`
     microbatches at once; closes `caller` at the end. `on_step`: told each step's record too.
+    `source`: where the shards come from (None: this trainer reads them all, LocalShards).
 
     While the operator keeps the run paused, no new step starts (the one in flight finishes).
     Steps are global: the loop runs steps start .. start + steps - 1 (a trainer joining a swarm
@@ -75,11 +93,11 @@ def run_training(
     once its backward has come back. A validation pass after step s asks for the weights after
     s + 1 steps."""
     t = run.training
-    data = TrainStream.local(run.data, run.model.seq_len, t.seed)
+    source = source if source is not None else LocalShards(shards(run.data), t.seed)
+    data = TrainStream(run.data, run.model.seq_len, t.seed, load_tokenizer(run.data.tokenizer), source)
     val = data.val_batches(t.eval_batches, t.micro_batch)
     desc = progress.bar.desc  # the bar's own description, shown again when a pause ends
     pool = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="microbatch")
-    tokens_per_step = t.global_batch * run.model.seq_len
     done = 0
     try:
         for i in range(steps):
@@ -89,12 +107,13 @@ def run_training(
                 while caller.paused():
                     time.sleep(PAUSE_CHECK_S)
                 progress.note(desc)
-            batches = [data.next_microbatch(t.micro_batch) for _ in range(t.accumulation)]
+            batches = draw(data, t.accumulation, t.micro_batch)
             jobs = [pool.submit(microbatch, caller, b, step, f"{step}.{i}") for i, b in enumerate(batches)]
             losses = []
             for batch, job in zip(batches, jobs, strict=True):
                 losses.append(job.result())
                 data.trained(batch)
+                progress.trained(step, batch.ids)
             loss = sum(losses) / len(losses)
             done += len(jobs)
             val_loss = None
@@ -106,7 +125,7 @@ def run_training(
             record = progress.step(
                 step,
                 loss,
-                tokens_per_step,
+                sum(b.inputs.numel() for b in batches),
                 val_loss,
                 wire_bytes=caller.bytes_on_wire(),
                 microbatches=done,
