@@ -260,14 +260,19 @@ class TrainStream:
 
     def val_batches(self, count: int, size: int) -> list[Batch]:
         """The first count * size windows of the validation documents: the same at every call, in every process."""
-        if self._val is None or len(self._val) < count * size:
-            self._val = self._first_windows(True, count * size)
-        if len(self._val) < count * size:
+        need, width = count * size, self.seq_len + 1
+        if self._val is None or len(self._val) < need:
+            self._val = self._first_windows(True, need)
+        if not self._val:
             raise ConfigError(
-                f"data: the validation documents make {len(self._val)} windows of {self.seq_len + 1} tokens, "
-                f"{count * size} needed (training.eval_batches x micro_batch): add data or raise data.val_fraction"
+                f"data: the validation documents make no window of {width} tokens: add data or raise data.val_fraction"
             )
-        rows = self._val[: count * size]
+        rows = self._val[:need]
+        if len(rows) < need:
+            # A small corpus at a long seq_len (the embedded one at 1024 tokens): evenly spaced windows
+            # that overlap, over all the validation tokens read, rather than no validation at all.
+            flat = torch.cat(rows)
+            rows = [flat[s : s + width] for s in torch.linspace(0, len(flat) - width, need).long().tolist()]
         return [
             Batch(w[:, :-1].contiguous(), w[:, 1:].contiguous())
             for w in (torch.stack(rows[i * size : (i + 1) * size]) for i in range(count))

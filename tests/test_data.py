@@ -237,7 +237,13 @@ def test_bad_input_is_refused_with_what_was_wrong(tmp_path):
 def test_too_little_text_is_refused(tmp_path):
     (tmp_path / "a.txt").write_text("\n\n".join(numbered(40)))
     cfg = DataConfig(source="files", path=str(tmp_path))
-    with pytest.raises(ConfigError, match="validation documents make"):
-        TrainStream.local(cfg, 64, 0, TOK).val_batches(4, 8)
+    few = TrainStream.local(cfg, 64, 0, TOK)
+    disjoint = few._first_windows(True, 32)
+    assert 0 < len(disjoint) < 32  # fewer validation windows than asked: they overlap, evenly spaced
+    val = few.val_batches(4, 8)
+    assert [b.inputs.shape for b in val] == [(8, 64)] * 4
+    assert torch.equal(val[0].inputs[0], disjoint[0][:-1]) and torch.equal(val[-1].targets[-1], disjoint[-1][1:])
+    with pytest.raises(ConfigError, match="validation documents make no window"):
+        TrainStream.local(cfg, 1024, 0, TOK).val_batches(1, 1)
     with pytest.raises(ConfigError, match="no shard holds a training window"):
         TrainStream.local(cfg, 4096, 0, TOK).next_microbatch(1)

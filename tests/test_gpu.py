@@ -64,9 +64,11 @@ def test_a_bf16_stage_worker_on_cuda_matches_float32_on_cpu():
         assert rel < 2e-2, f"bf16 on CUDA differs from float32 on CPU by {rel:.3%}"  # bf16 keeps 8 bits
 
 
-def peak_after_training(run: RunConfig, inflight: int) -> int:
-    """torch.cuda.max_memory_allocated over a stage worker's life: `inflight` microbatches forward
-    (cached), their backwards, and the optimizer step that a full global batch brings."""
+def peak_after_training(run: RunConfig, inflight: int) -> tuple[int, int]:
+    """torch.cuda.max_memory_allocated over a stage worker's life, and what stays allocated between
+    steps (weights, gradient buffers, AdamW's states): `inflight` microbatches forward (cached), then
+    their backwards, for two global batches. AdamW's states exist from the first step on, so the
+    second global batch's forwards meet them, as every later step's do."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(CUDA)
     base = torch.cuda.memory_allocated(CUDA)
@@ -74,19 +76,20 @@ def peak_after_training(run: RunConfig, inflight: int) -> int:
     try:
         m, b = run.model, run.training.micro_batch
         x = torch.randn(b, m.seq_len, m.d_model)
-        for _ in range(run.training.accumulation // inflight):
+        for _ in range(2 * run.training.accumulation // inflight):
             train(worker, x, torch.randn_like(x) * 1e-3, inflight)
         deadline = time.monotonic() + 60
-        while worker.optimizer_steps < 1:  # the step (and AdamW's states) comes after the last answer
-            assert time.monotonic() < deadline, "no optimizer step after a full global batch"
+        while worker.optimizer_steps < 2:  # a step (and AdamW's states) comes after the batch's last answer
+            assert time.monotonic() < deadline, "no second optimizer step after two global batches"
             time.sleep(0.1)
         torch.cuda.synchronize(CUDA)
+        resident = torch.cuda.memory_allocated(CUDA) - base
     finally:
         worker.close()
     peak = torch.cuda.max_memory_allocated(CUDA) - base
     del worker
     torch.cuda.empty_cache()
-    return peak
+    return peak, resident
 
 
 def run_125m(checkpoint: bool) -> RunConfig:
@@ -95,15 +98,18 @@ def run_125m(checkpoint: bool) -> RunConfig:
 
 
 def test_checkpointed_activations_lower_the_peak_memory_of_a_125m_stage():
-    stored = peak_after_training(run_125m(False), inflight=4)
-    ckpt = peak_after_training(run_125m(True), inflight=4)
-    assert ckpt < 0.6 * stored, f"checkpointed {ckpt / 2**30:.2f} GiB vs stored {stored / 2**30:.2f} GiB"
+    (stored, resident), (ckpt, ckpt_resident) = (peak_after_training(run_125m(c), inflight=4) for c in (False, True))
+    assert ckpt_resident == resident  # the same weights, gradients and optimizer states
+    # Above what stays between steps: the graphs of the microbatches in flight.
+    stored, ckpt = stored - resident, ckpt - resident
+    assert ckpt < 0.6 * stored, f"in flight: checkpointed {ckpt / 2**30:.2f} GiB vs stored {stored / 2**30:.2f} GiB"
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["stored", "checkpointed"])
 def test_the_memory_estimate_of_a_125m_stage_is_within_30_percent_of_the_measured_peak(checkpoint):
     run, inflight = run_125m(checkpoint), 4
-    measured = peak_after_training(run, inflight)
+    measured, resident = peak_after_training(run, inflight)
+    print(f"peak {measured / 2**30:.2f} GiB, of which {resident / 2**30:.2f} GiB stays between steps")
     # The worker holds `inflight` cached graphs; the estimate adds the batch being computed.
     need = memory.estimate(run, 1, "cuda", memory.peer_inflight(run, inflight))
     assert 0.7 * measured <= need.tensors <= 1.3 * measured, (
