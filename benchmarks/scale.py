@@ -15,6 +15,7 @@ minutes; the columns that need a GPU say "-".
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 from pathlib import Path
 
@@ -41,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="steps excluded from tokens/s")
     p.add_argument("--micro-batch", type=int, default=None, help="override training.micro_batch (CPU: 1)")
     p.add_argument("--global-batch", type=int, default=None, help="override training.global_batch (CPU: 2)")
+    p.add_argument("--checkpoint-activations", action="store_true", help="[model] checkpoint_activations = true")
     p.add_argument("--inflight", type=int, default=4, help="microbatches in flight, and graphs each worker keeps")
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage worker (0: torch's default)")
     p.add_argument("--device", default=None, help="cpu, cuda (default: auto)")
@@ -53,10 +55,13 @@ def config_path(name: str) -> Path:
     return path if path.suffix == ".toml" else ROOT / "configs" / f"{name}.toml"
 
 
-def sized(run: RunConfig, micro: int | None, global_batch: int | None) -> RunConfig:
-    """The run cut into 2 stages, without validation passes, at the batch sizes asked for."""
+def sized(run: RunConfig, micro: int | None, global_batch: int | None, checkpoint: bool = False) -> RunConfig:
+    """The run cut into 2 stages, without validation passes, at the batch sizes asked for (and with
+    activation checkpointing when `checkpoint`)."""
     data = run.with_stages(2).model_dump()
     data["training"].update(eval_every=0)
+    if checkpoint:
+        data["model"]["checkpoint_activations"] = True
     if micro is not None:
         data["training"]["micro_batch"] = micro
     if global_batch is not None:
@@ -100,7 +105,7 @@ def worker_gpu_peaks(procs: list[Proc]) -> list[str]:
 
 def measure(name: str, args: argparse.Namespace, tmp: Path) -> str:
     source = config_path(name)
-    run = sized(load_config(source), args.micro_batch, args.global_batch)
+    run = sized(load_config(source), args.micro_batch, args.global_batch, args.checkpoint_activations)
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
     tokens_per_step = run.training.global_batch * run.model.seq_len
@@ -109,6 +114,7 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> str:
     ref_rss = vm_hwm("self")
     ref_gpu = mib(torch.cuda.max_memory_allocated(device)) if cuda else "-"
     if cuda:
+        gc.collect()  # the reference's model and optimizer, if a cycle still holds them
         torch.cuda.empty_cache()  # leave the GPU to the workers
     cfg = tmp / f"{source.stem}-2stages.toml"
     cfg.write_text(dump_config(run))
@@ -132,6 +138,7 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> str:
     params = sum(stage_parameters(run, k) for k in range(2))
     notes = (
         f"{run.model.dtype if cuda else 'float32'}, micro_batch {run.training.micro_batch}, "
+        f"{'activation checkpointing, ' if run.model.checkpoint_activations else ''}"
         f"global_batch {run.training.global_batch}, {args.inflight} in flight, tokens/s after {args.warmup} "
         f"step(s); FLOPs/token {per_token / 1e9:.2f} G = 6 x non-embedding params + 12 x layers x d_model x seq_len"
         + (f", peak {peak:.0f} TFLOP/s bf16 dense" if peak else "")

@@ -277,7 +277,8 @@ class StageWorker:
         """The batch's inputs, concatenated, on the device (float32 hidden states, or token ids)."""
         x = torch.cat([t.work.inputs for t in batch]) if len(batch) > 1 else batch[0].work.inputs
         x = self._to_device(x)
-        return x if self.stage.is_first else x.float()
+        # Detached: a leaf of its own for the input gradient, whatever the caller's tensor carries.
+        return x if self.stage.is_first else x.float().detach()
 
     def _split(self, t: torch.Tensor | None, batch: list[Task]) -> list[torch.Tensor | None]:
         if t is None:
