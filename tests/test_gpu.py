@@ -4,6 +4,7 @@ on the GPU. Run on a GPU machine: `python -m pytest -q -m gpu tests/test_gpu.py`
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import time
@@ -69,6 +70,7 @@ def peak_after_training(run: RunConfig, inflight: int) -> tuple[int, int]:
     steps (weights, gradient buffers, AdamW's states): `inflight` microbatches forward (cached), then
     their backwards, for two global batches. AdamW's states exist from the first step on, so the
     second global batch's forwards meet them, as every later step's do."""
+    gc.collect()  # an earlier worker's tensors that a reference cycle still holds
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(CUDA)
     base = torch.cuda.memory_allocated(CUDA)
