@@ -21,12 +21,20 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import re
 import time
 from pathlib import Path
 
-from benchmarks.common import JsonTail, Proc, log_dir, read_jsonl, start_coordinator, start_peer, stop_all, wait_online
+from benchmarks.common import (
+    JsonTail,
+    Proc,
+    log_dir,
+    read_jsonl,
+    start_coordinator,
+    start_peer,
+    stop_all,
+    wait_online,
+    without_eval,
+)
 from benchmarks.results import append_row
 from swarm.config import load_config
 
@@ -100,11 +108,7 @@ def run(args: argparse.Namespace) -> str:
     if args.steps <= args.warmup + 1:
         raise SystemExit(f"--steps {args.steps}: needs more than --warmup + 1 ({args.warmup + 1})")
     tmp = log_dir(args.log_dir, "trainers")
-    # Validation passes would put slow steps between the measured ones: turned off.
-    config = tmp / "run.toml"
-    config.write_text(re.sub(r"(?m)^eval_every = \d+$", "eval_every = 0", Path(args.config).read_text()))
-    load_avg = os.getloadavg()[0]
-    print(f"trainers: load average {load_avg:.2f} at start", flush=True)
+    config, load_avg = without_eval(args.config, tmp, "trainers")
 
     procs: list[Proc] = []
     try:

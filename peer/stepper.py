@@ -4,11 +4,25 @@ The worker accumulates the gradients of the samples it served in the parameters'
 `Updater` (peer/averaging.py) turns them into a step: alone (`LocalUpdater`, every global batch) or
 averaged with the other peers of the stage (`SwarmUpdater`). The `Stepper` decides when:
 
-Requests carry the global step they belong to: a training request for step s needs the weights
-after s steps, so a worker that has not yet taken step s - 1 finishes it first (waiting for the
-stage's count, at most `averaging.sync_timeout_s`). A worker that missed steps takes the stage's
+A stage steps every global batch of samples it served, from whichever trainers sent them (as
+hivemind counts a collaboration's samples). Every answer tells the trainer the stage's step
+(`stage_step`): the steps it took, plus one when the samples it served complete the next global
+batch (that step is taken before any later work). A trainer names in its next requests the step
+all stages reached (swarm/trainer/loop.py): one trainer alone names s + 1 after its step s, so each
+of its global batches is one step, as in synchronous training; with several trainers the stages
+count every one's samples, and no trainer waits for a step that the others' samples complete.
+
+Requests carry the global step whose weights they need: a training request for step s needs the
+weights after s steps, so a worker that has not yet taken step s - 1 finishes it first (waiting for
+the stage's count, at most `averaging.sync_timeout_s`). A worker that missed steps takes the stage's
 state from its live peers (`resync`); steps whose gradients died with the peers that served them
-are skipped, so that the stage's step count stays the trainer's global step.
+are skipped, so that the stage's step count stays the swarm's global step.
+
+The stages' steps line up by count: a batch of work that adds to the gradient stops at the global
+batch (`room`), so that every stage's step n holds the n-th global batch of the samples it served.
+The stages exchange gradient norms by step number (peer/averaging.py NormExchange) while their
+compute threads wait: were stage 1's step n to swallow two trainers' batches at once, stage 0's
+step n would wait for a norm that only comes after work stage 0 itself has to serve.
 
 Checkpoints (peer/checkpoint.py): right after an optimizer step, on the compute thread and under the
 lock that guards the weights, the stepper offers the stage's state to a `CheckpointWriter`, which
@@ -110,7 +124,7 @@ class StagedGrads:
 
 
 class Stepper:
-    """Keeps one stage's weights at the trainer's global step: counts the samples served, steps,
+    """Keeps one stage's weights at the swarm's global step: counts the samples served, steps,
     catches up, resyncs and skips; logs each step and offers it to the checkpoints."""
 
     def __init__(
@@ -143,6 +157,16 @@ class Stepper:
         """Global steps this stage's weights include."""
         return self.updater.epoch
 
+    @property
+    def stage_step(self) -> int:
+        """The global step this stage reaches with the samples it served: a step due is counted (it is
+        taken before any later work: after the answers, or in the next request's catch-up)."""
+        return self.optimizer_steps + int(self.updater.ready(self.samples_pending))
+
+    def room(self) -> int:
+        """Samples the next batch of gradient work may hold without crossing the global batch (at least 1)."""
+        return max(1, self.run.training.global_batch - self.samples_pending)
+
     def served(self, microbatch_ids: list[str], samples: int) -> None:
         """These microbatches' gradients were accumulated. Under the lock."""
         self.samples_served += samples
@@ -161,7 +185,7 @@ class Stepper:
         """Work for global step `step` needs the weights after `step` steps: take the step before it
         first, once the stage has served its batch (or the wait for the count times out).
 
-        The stage's step count stays the trainer's global step: a step none of whose samples reached
+        The stage's step count stays the swarm's global step: a step none of whose samples reached
         a live peer of the stage (the peers that served it died with its gradients) is skipped, not
         left to shift every later step by one (each later step would then wait for a count that never
         comes, and exchange gradient norms with the other stages under the wrong step)."""

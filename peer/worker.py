@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from peer.checkpoint import Checkpoint, CheckpointWriter
 from peer.options import NO_FAULTS, Faults
-from peer.queue import Task, WorkQueue, gave_up, resolve, still_waiting
+from peer.queue import Task, WorkQueue, accumulates, gave_up, resolve, still_waiting
 from peer.requests import BackwardWork, CachedForward, ForwardWork, RequestError
 from peer.stepper import StagedGrads, Stepper, make_updater
 from swarm.config import RunConfig
@@ -192,7 +192,8 @@ class StageWorker:
 
     def _turn(self) -> None:
         """One round of the compute thread: a batch of work, or a look at the stage's step when idle."""
-        got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1)
+        # Gradient work stops at the global batch, so that the stages' steps line up (peer/stepper.py).
+        got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1, room=self.stepper.room())
         if got is None:
             self.stepper.maybe_step()  # the stage may have completed its batch on other peers
             return
@@ -214,7 +215,7 @@ class StageWorker:
             task.future.queue_s = start - task.enqueued  # read by the service, reported for routing
         try:
             with self.lock:
-                if kind == "backward" or (batch[0].work.train and batch[0].work.targets is not None):
+                if accumulates(batch[0].work):
                     batch, results = self._accumulate(kind, batch)
                 else:
                     results = self._forward(batch)
@@ -227,7 +228,9 @@ class StageWorker:
             return
         samples = sum(t.samples for t in batch)
         self._measure(kind, batch, (time.perf_counter() - start) / samples)
+        stage_step = self.stepper.stage_step
         for task, result in zip(batch, results, strict=True):
+            task.future.stage_step = stage_step  # read by the service, the trainer's next step (peer/stepper.py)
             if isinstance(result, Exception):
                 resolve(task.future, error=result)
             else:

@@ -262,6 +262,16 @@ def test_two_trainers_on_one_run_train_disjoint_windows(tmp_path: Path):
         shards_a, shards_b = {s for s, _ in a}, {s for s, _ in b}
         assert not shards_a & shards_b, (shards_a, shards_b)
         print(f"trainer a read shards {sorted(shards_a)}, trainer b {sorted(shards_b)}")
+        # The stages step every global batch of samples, from either trainer, and each trainer names
+        # the step the stages reached: its steps rise, by more than one where the other's samples
+        # completed a step, so the run ends past the 12 steps that either trained alone.
+        steps = {
+            n: [json.loads(line)["step"] for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()] for n in "ab"
+        }
+        for name, s in steps.items():
+            assert len(s) == 12 and all(x < y for x, y in zip(s, s[1:], strict=False)), (name, s)
+        print(f"steps of trainer a: {steps['a']}, of trainer b: {steps['b']}")
+        assert max(s[-1] for s in steps.values()) >= 16, steps
     finally:
         stop_all(procs)
 

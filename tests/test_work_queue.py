@@ -45,6 +45,18 @@ def test_concurrent_requests_are_batched_up_to_the_token_budget():
     assert batch == tasks[3:]
 
 
+def test_gradient_work_is_batched_up_to_the_room_left_in_the_global_batch():
+    # Two trainers' backwards at once: a batch that took them all would carry the stage past its global
+    # batch, and its step n would no longer hold the samples the other stages' step n holds.
+    q = WorkQueue()
+    tasks = [put(q, bwd(8), i) for i in range(4)]
+    assert q.take(budget=10_000, room=16)[1] == tasks[:2]
+    assert q.take(budget=10_000, room=4)[1] == tasks[2:3]  # the first task is taken whatever its size
+    forwards = [put(q, fwd(8), i) for i in range(4, 7)]  # evaluation work adds no gradient: no room to keep
+    assert q.take(budget=10_000, room=8)[1] == [tasks[3]]
+    assert q.take(budget=10_000, room=8)[1] == forwards
+
+
 def test_requests_of_another_shape_or_mode_are_not_mixed():
     q = WorkQueue()
     a = put(q, fwd(2, t=16), 0)
