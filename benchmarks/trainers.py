@@ -1,13 +1,15 @@
 """`python -m benchmarks trainers`: one trainer vs two trainers on the same swarm, samples/s.
 
-A coordinator of the config (configs/tiny.toml: 2 stages, the embedded corpus's 8 shards, eval off)
-and one peer per stage (`swarm peer --coordinator URL --stage K --threads 1 --delay-per-sample D_K`).
-The delays stand in for slow devices and leave the peers room for a second trainer: one trainer
-keeps at most `accumulation` microbatches in flight, which go through stage 0 (forward), the last
-stage (forward and backward in one call) and stage 0 again (backward) before its next step starts,
-so a last stage with twice stage 0's delay per sample makes each peer busy about half of one
-trainer's step. Then `swarm train --coordinator URL --steps N` once alone, and twice at once; the
-trainers lease disjoint shards from the coordinator (`--log-windows` names the windows each trained).
+A coordinator of the config (configs/tiny.toml, cut into `--stages` stages, 2 by default; the embedded
+corpus's 8 shards; eval off) and one peer per stage (`swarm peer --coordinator URL --stage K --threads 1
+--delay-per-sample D_K`). The delays stand in for slow devices and leave the peers room for a second
+trainer: one trainer keeps at most `accumulation` microbatches in flight, which go forward through
+every stage (the last does forward and backward in one call) and backward through all but the last
+before its next step starts. With a delay of d per call on every stage but the last and 2d on the
+last, every peer is busy 2d per sample, and alone a trainer keeps each busy 1/S of its step (S
+stages): a second trainer has room (the ceiling is 2). Then `swarm train --coordinator URL --steps N`
+once alone, and twice at once; the trainers lease disjoint shards from the coordinator
+(`--log-windows` names the windows each trained).
 
 - samples/s of one trainer: (samples at its last step - samples at step `--warmup`) / the time between;
 - samples/s of two: the two trainers' records placed on this process's clock (JsonTail: start =
@@ -36,18 +38,19 @@ from benchmarks.common import (
     without_eval,
 )
 from benchmarks.results import append_row
-from swarm.config import load_config
+from swarm.config import dump_config, load_config
 
 SECTION = "trainers: one vs two trainers on one swarm (disjoint shards leased from the coordinator)"
 GOAL = 1.8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/tiny.toml", help="a 2-stage run config")
+    p.add_argument("--config", default="configs/tiny.toml", help="a run config")
+    p.add_argument("--stages", type=int, default=2, help="stages to cut its model into, one peer each")
     p.add_argument("--steps", type=int, default=60, help="steps of each trainer")
     p.add_argument("--warmup", type=int, default=5, help="steps of each trainer left out of its rate")
     p.add_argument(
-        "--delays", default="0.01,0.02", help="seconds per sample added by the peer of each stage (stage 0 first)"
+        "--delays", default="0.05,0.1", help="seconds per sample added by the peer of each stage (stage 0 first)"
     )
     p.add_argument("--inflight", type=int, default=4)
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up when a phase runs longer than this")
@@ -101,14 +104,15 @@ def trained_twice(paths: list[Path]) -> int:
 
 
 def run(args: argparse.Namespace) -> str:
-    cfg = load_config(args.config)
     delays = [float(d) for d in args.delays.split(",")]
-    if cfg.stages.count != 2 or len(delays) != 2:
-        raise SystemExit(f"{args.config} / --delays: the trainers benchmark expects 2 stages and 2 delays")
+    if len(delays) != args.stages:
+        raise SystemExit(f"--delays {args.delays}: one delay per stage ({args.stages})")
     if args.steps <= args.warmup + 1:
         raise SystemExit(f"--steps {args.steps}: needs more than --warmup + 1 ({args.warmup + 1})")
     tmp = log_dir(args.log_dir, "trainers")
     config, load_avg = without_eval(args.config, tmp, "trainers")
+    cfg = load_config(config).with_stages(args.stages)
+    config.write_text(dump_config(cfg))
 
     procs: list[Proc] = []
     try:
@@ -140,7 +144,7 @@ def run(args: argparse.Namespace) -> str:
         SECTION,
         ["config", "peer delays s/sample", "steps", "samples/s 1 trainer", "samples/s 2 trainers", "ratio", "notes"],
         [
-            args.config,
+            f"{args.config}, {args.stages} stages",
             args.delays,
             args.steps,
             f"{one:.1f}",

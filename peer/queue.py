@@ -119,14 +119,21 @@ class WorkQueue:
     def __len__(self) -> int:
         return sum(map(len, self.lanes.values()))
 
-    def take(self, budget: int, timeout: float = 0.5, room: int | None = None) -> tuple[str, list[Task]] | None:
+    def take(
+        self, budget: int, timeout: float = 0.5, room: int | None = None, upto: int | None = None
+    ) -> tuple[str, list[Task]] | None:
         """`budget`: tokens of a batch; `room`: samples of a batch of work that `accumulates` (the first
-        task is taken whatever its size)."""
+        task is taken whatever its size); `upto`: only work for global step `upto` or earlier (work
+        for a later step stays queued, and None comes back when no lane begins with such work)."""
         with self.cond:
             if not self.cond.wait_for(lambda: len(self) or self.closed, timeout) or self.closed:
                 return None
-            kind = "backward" if self.lanes["backward"] else "forward"
-            lane = self.lanes[kind]
+            lanes = [self.lanes[kind] for kind in ("backward", "forward")]
+            lanes = [lane for lane in lanes if lane and (upto is None or lane[0].work.step <= upto)]
+            if not lanes:
+                return None
+            lane = lanes[0]
+            kind = "backward" if lane is self.lanes["backward"] else "forward"
             first = lane.popleft()
             batch, tokens, samples = [first], first.tokens, first.samples
             key = batch_key(first.work)
@@ -134,6 +141,8 @@ class WorkQueue:
             # Take more of the same kind and shape while they fit the token budget (and the room).
             while lane and batch_key(lane[0].work) == key and tokens + lane[0].tokens <= budget:
                 if room is not None and samples + lane[0].samples > room:
+                    break
+                if upto is not None and lane[0].work.step > upto:
                     break
                 task = lane.popleft()
                 batch.append(task)

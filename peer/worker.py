@@ -17,6 +17,7 @@ keeps the weights at the step each request names before the request runs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -112,7 +113,7 @@ class StageWorker:
         self.run, self.stage_index, self.device, self.faults = run, stage, device, faults
         self.stage = Stage(run, stage).to(device)
         self.stage.train()
-        self.updater = make_updater(run, stage, self.stage, dht)
+        self.updater = make_updater(run, stage, self.stage, dht, idle=self._serve_aside)
         self.queue = WorkQueue()
         self.lock = threading.Lock()  # held while parameters or gradients change
         self.cache = ForwardCache(run.serve.cache_size if cache_size is None else cache_size)
@@ -206,7 +207,24 @@ class StageWorker:
             raise
         self._run_batch(kind, batch)
 
-    def _run_batch(self, kind: str, batch: list[Task]) -> None:
+    def _serve_aside(self) -> None:
+        """Called by the stage's step while it waits for the other stages' gradient norms (peer/averaging.py
+        NormExchange; on hivemind's optimizer thread, while the compute thread holds the lock and waits
+        for that step, so the batch runs without taking the lock again): serve one batch of the work
+        that does not need this step (work for the steps already taken: another trainer's, or a check),
+        its gradients set aside for the next step (peer/stepper.py Aside); else wait a moment. Without
+        it, a stage that finished its global batch would sit idle until the slowest stage finished
+        too, and a second trainer would add nothing."""
+        got = self.queue.take(
+            self.run.serve.max_batch_tokens, timeout=0.02, room=self.stepper.room(), upto=self.optimizer_steps
+        )
+        if got is None:
+            time.sleep(0.02)
+            return
+        self._run_batch(*got, locked=True)
+
+    def _run_batch(self, kind: str, batch: list[Task], locked: bool = False) -> None:
+        """`locked`: the lock is held for this batch already (`_serve_aside`)."""
         batch = still_waiting(batch)
         if not batch:
             return
@@ -214,7 +232,7 @@ class StageWorker:
         for task in batch:
             task.future.queue_s = start - task.enqueued  # read by the service, reported for routing
         try:
-            with self.lock:
+            with contextlib.nullcontext() if locked else self.lock:
                 if accumulates(batch[0].work):
                     batch, results = self._accumulate(kind, batch)
                 else:
@@ -235,7 +253,8 @@ class StageWorker:
                 resolve(task.future, error=result)
             else:
                 resolve(task.future, result=result)
-        self.stepper.maybe_step()  # after answering: the caller need not wait for the stage's step
+        if self.stepper.stepping is None:  # (a batch served while a step waits is inside that step)
+            self.stepper.maybe_step()  # after answering: the caller need not wait for the stage's step
 
     def _accumulate(self, kind: str, batch: list[Task]) -> tuple[list[Task], list]:
         """Run work that adds to the stage's gradient (backward; the last stage's training forward)
@@ -253,7 +272,10 @@ class StageWorker:
                 raise
             left = [not task.waiting() for task in batch]
             if not any(left):
-                staged.commit()
+                if self.stepper.stepping is not None:
+                    staged.set_aside(self.stepper.stepping)  # for the step after the one that waits
+                else:
+                    staged.commit()
                 served = [t for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)]
                 self.stepper.served([t.work.microbatch_id for t in served], sum(t.samples for t in served))
                 return batch, results
@@ -293,7 +315,8 @@ class StageWorker:
         if first.targets is not None:
             return self._forward_loss(batch)
         x = self._inputs(batch)
-        cache = first.train and len(batch) == 1 and self.cache.size > 0
+        # Not while a step waits: the graph would be of the weights the step is about to change.
+        cache = first.train and len(batch) == 1 and self.cache.size > 0 and self.stepper.stepping is None
         with torch.set_grad_enabled(cache), autocast(self.device, self.run.model.dtype):
             if cache and not self.stage.is_first:
                 x.requires_grad_(True)
