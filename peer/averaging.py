@@ -248,7 +248,13 @@ class NormExchange:
     SKIPPED_SHARES = 8  # a stage that skips steps publishes a share of 0 for at most this many of them
 
     def __init__(
-        self, dht: hivemind.DHT, run_id: str, stages: int, stage: int, timeout: float, idle: Callable[[], None] | None
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        stages: int,
+        stage: int,
+        timeout: float,
+        idle: Callable[[], None] | None = None,
     ):
         """`idle`: called between looks at the DHT while waiting (default: a 20 ms sleep)."""
         self.dht, self.run_id, self.stages, self.stage = dht, run_id, stages, stage
