@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -56,6 +58,16 @@ def log_dir(path: str | None, name: str) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     print(f"{name}: logs in {tmp}", flush=True)
     return tmp
+
+
+def without_eval(config: str, tmp: Path, name: str) -> tuple[Path, float]:
+    """`config` copied into `tmp` with validation off (a validation pass would put a slow step between
+    the measured ones); and the load average at the start, which the benchmark prints and reports."""
+    out = tmp / "run.toml"
+    out.write_text(re.sub(r"(?m)^eval_every = \d+$", "eval_every = 0", Path(config).read_text()))
+    load_avg = os.getloadavg()[0]
+    print(f"{name}: load average {load_avg:.2f} at start", flush=True)
+    return out, load_avg
 
 
 # -- logs -----------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from benchmarks.common import (
     stop_all,
     survivors,
     wait_online,
+    without_eval,
 )
 from benchmarks.results import append_row
 from swarm.config import load_config
@@ -138,11 +139,7 @@ def run(args: argparse.Namespace) -> str:
         raise SystemExit(f"--stage {args.stage}: not a stage of {args.config}")
     acc = cfg.training.accumulation
     tmp = log_dir(args.log_dir, "failover")
-    # Validation passes would put a slow step into the windows every eval_every steps: turned off.
-    config = tmp / "run.toml"
-    config.write_text(re.sub(r"(?m)^eval_every = \d+$", "eval_every = 0", Path(args.config).read_text()))
-    load_avg = os.getloadavg()[0]
-    print(f"failover: load average {load_avg:.2f} at start", flush=True)
+    config, load_avg = without_eval(args.config, tmp, "failover")
 
     procs: list[Proc] = []
     peers: dict[str, Proc] = {}

@@ -21,16 +21,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
 
 
+def tokens_per_s(records: list[dict], warmup: int) -> float:
+    """Tokens/s after the first `warmup` steps (allocator and thread-pool start-up excluded)."""
+    first, last = (records[min(warmup, len(records) - 1) - 1] if warmup else None), records[-1]
+    if first is not None and last is not first:
+        return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
+    return last["tokens_per_s"]
+
+
 def run(args: argparse.Namespace) -> str:
     cfg = load_config(args.config)
     device = resolve_device(args.device)
     records = train_local(cfg, args.steps, device=str(device))
-    # tokens/s after the first `warmup` steps (allocator and thread-pool start-up excluded)
-    first, last = (records[min(args.warmup, len(records) - 1) - 1] if args.warmup else None), records[-1]
-    if first is not None and last is not first:
-        tps = (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
-    else:
-        tps = last["tokens_per_s"]
+    tps = tokens_per_s(records, args.warmup)
+    last = records[-1]
     if device.type == "cuda":
         peak = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB GPU"
     else:

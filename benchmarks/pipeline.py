@@ -42,12 +42,12 @@ def steady_tokens_per_s(records: list[dict], warmup: int) -> float:
 
 
 def start_workers(
-    config_path: Path, stages: int, threads: int, device: str | None, log_dir: Path
+    config_path: Path, stages: int, threads: int, device: str | None, log_dir: Path, *extra: str
 ) -> tuple[list[Proc], list[str]]:
-    """A `swarm peer --config` per stage, and their addresses once all of them serve."""
+    """A `swarm peer --config` per stage (with the options in `extra`), and their addresses once all of them serve."""
     procs = []
     for k in range(stages):
-        args = ["peer", "--config", str(config_path), "--stage", str(k), "--port", "0"]
+        args = ["peer", "--config", str(config_path), "--stage", str(k), "--port", "0", *extra]
         if threads:
             args += ["--threads", str(threads)]
         if device:

@@ -14,24 +14,27 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from coordinator.api_control import ErrorDetail, control_router, token_matches
+from coordinator.api_data import data_router
 from coordinator.api_history import history_router
 from coordinator.api_invites import invites_router
 from coordinator.ca import RunCA
 from coordinator.control import OperatorControl
 from coordinator.history import History, point_of
 from coordinator.invites import InviteError, InviteRefused, Invites, UnknownInvite
+from coordinator.leases import ShardLeases
 from coordinator.metrics import metrics_router
 from coordinator.view import ViewHolder
 from swarm import __version__
 from swarm.config import RunConfig
 from swarm.identity import CertificateError, identity_of, load_public_key, peer_id_of
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
+from swarm.tokenizer import HFTokenizer, load_tokenizer
 
 STATIC_DIR = Path(__file__).parent / "static"  # the dashboard: index.html, app.js, chart.js, style.css
 join_bearer = HTTPBearer(
@@ -69,6 +72,11 @@ class JoinResponse(BaseModel):
     config: RunConfig = Field(description="the run configuration; parse it with swarm.config.parse_config")
     initial_peers: list[str] = Field(description="multiaddrs of the coordinator's DHT node, to bootstrap from")
     version: str
+    tokenizer_sha256: str | None = Field(
+        None,
+        description="sha256 of the run's tokenizer.json, served at /api/v1/tokenizer; "
+        "None: the byte tokenizer, nothing to download",
+    )
 
 
 class StageState(BaseModel):
@@ -147,11 +155,13 @@ def create_app(
     control: OperatorControl | None = None,
     history: History | None = None,
     ca: RunCA | None = None,
+    leases: ShardLeases | None = None,
 ) -> FastAPI:
     """The coordinator's HTTP app; without a `history` store it keeps the history in memory only. When
-    the control's invites guard the run (a join token, or invite-only), /api/v1/join and
-    /api/v1/certificate answer only requests that carry a valid token (reading the swarm stays open).
-    Without `control`, an open run that nobody controls."""
+    the control's invites guard the run (a join token, or invite-only), /api/v1/join,
+    /api/v1/certificate and the shard leases answer only requests that carry a valid token (reading
+    the swarm stays open). Without `control`, an open run that nobody controls; without `leases`, no
+    data endpoints (trainers then read every shard themselves)."""
     history = history if history is not None else History(Path(":memory:"))
     invites = control.invites if control is not None else Invites(None)
     app = FastAPI(
@@ -182,6 +192,10 @@ def create_app(
     admitted = joiner if guarded else anyone
     refused = {401: {"model": ErrorDetail}, 403: {"model": ErrorDetail}} if guarded else {}
 
+    # Read once: what is served is what was hashed, whatever happens to the file later.
+    tokenizer = load_tokenizer(run.data.tokenizer)
+    served = tokenizer if isinstance(tokenizer, HFTokenizer) else None
+
     @app.get(
         "/api/v1/join",
         response_model=JoinResponse,
@@ -190,7 +204,25 @@ def create_app(
         summary="How to join this run",
     )
     def join() -> JoinResponse:
-        return JoinResponse(run_id=run.run_id, config=run, initial_peers=join_info.initial_peers, version=__version__)
+        return JoinResponse(
+            run_id=run.run_id,
+            config=run,
+            initial_peers=join_info.initial_peers,
+            version=__version__,
+            tokenizer_sha256=served.digest if served is not None else None,
+        )
+
+    @app.get(
+        "/api/v1/tokenizer",
+        response_class=Response,
+        responses={200: {"content": {"application/json": {}}}, 404: {"model": ErrorDetail}, **refused},
+        dependencies=[Depends(admitted)],
+        summary="The run's tokenizer.json (its sha256 is in the join answer)",
+    )
+    def tokenizer_file() -> Response:
+        if served is None:
+            raise HTTPException(404, "this run uses the byte tokenizer: there is no tokenizer file")
+        return Response(served.data, media_type="application/json")
 
     if ca is not None:
 
@@ -259,6 +291,8 @@ def create_app(
 
     app.include_router(control_router(view_holder, control))  # operator-only (coordinator.api_control)
     app.include_router(invites_router(invites, control))  # /api/v1/invites (coordinator.api_invites)
+    if leases is not None:
+        app.include_router(data_router(leases, admitted, refused))  # /api/v1/data (coordinator.api_data)
 
     # The live dashboard: static files shipped in the package, polling the API above.
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

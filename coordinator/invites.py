@@ -27,11 +27,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from swarm.config import ConfigError, format_validation_error
+
+M = TypeVar("M", bound=BaseModel)
 
 SHARED = "shared"  # the name of the invite that --join-token is
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -121,6 +123,17 @@ class InviteFile(BaseModel):
         return self
 
 
+def read_state(path: Path, model: type[M], what: str, remedy: str) -> M:
+    """The coordinator's state file `path` as `model`; a ConfigError naming the file and what is wrong
+    with it, and saying `what` it holds and the `remedy` (remove it to ...)."""
+    try:
+        return model.model_validate_json(path.read_bytes())
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read {what} ({err})") from None
+    except ValidationError as err:
+        raise ConfigError(f"{format_validation_error(err, str(path))}\n({what}: fix the file, or {remedy})") from None
+
+
 def write_private(path: Path, text: str) -> None:
     """Write `text` to `path` whole (a temporary file, then a rename), readable by its owner only."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
@@ -162,15 +175,7 @@ class Invites:
     def _load(self) -> InviteFile:
         if self.path is None or not self.path.exists():
             return InviteFile()
-        try:
-            return InviteFile.model_validate_json(self.path.read_bytes())
-        except OSError as err:
-            raise ConfigError(f"{self.path}: cannot read the run's invites ({err})") from None
-        except ValidationError as err:
-            raise ConfigError(
-                f"{format_validation_error(err, str(self.path))}\n(the run's invites: fix the file, or remove it to "
-                "forget every invite and revocation)"
-            ) from None
+        return read_state(self.path, InviteFile, "the run's invites", "remove it to forget every invite and revocation")
 
     def _save(self, invites: dict[str, Invite], removed: list[str]) -> None:
         """Write the state first, then take it: what the coordinator acts on is what a restart finds."""

@@ -2,7 +2,8 @@
 
 What outlives the process lies in the state directory: the DHT identity (`dht.key`), the peers'
 DHT addresses last seen (`peers.json`), the operator's pause (`control.json`), the run CA (`ca.key`,
-`ca.pem`), the invites and revoked peers (`invites.json`, see coordinator.invites) and the run's
+`ca.pem`), the invites and revoked peers (`invites.json`, see coordinator.invites), the trainers'
+leases of the data's shards and the epoch's progress (`leases.json`, see coordinator.leases) and the run's
 history of progress points and events (`history.sqlite`, see coordinator.history). A coordinator
 started again on the same ports with the same state directory has the same multiaddrs and finds
 the running swarm at once; training never needed it.
@@ -33,8 +34,10 @@ from coordinator.control import ControlPublisher, OperatorControl
 from coordinator.history import History, HistoryRecorder
 from coordinator.invites import Invites
 from coordinator.known_peers import KnownPeers
+from coordinator.leases import DEFAULT_TTL_S, ShardLeases
 from coordinator.view import SwarmReader, ViewHolder, empty_view
 from swarm.config import ConfigError, RunConfig
+from swarm.data import shards
 from swarm.identity import Member
 from swarm.net import cleartext_warning
 from swarm.ready import CoordinatorReady, write_ready
@@ -100,6 +103,17 @@ def open_state_dir(path: Path) -> Path:
     return path
 
 
+def shard_leases(run: RunConfig, state_dir: Path, ttl_s: float) -> ShardLeases | None:
+    """The leases of the run's shards, kept in `state_dir/leases.json`; None (trainers then each read
+    every shard) when the data cannot be listed here, e.g. files that only the trainers' machines hold."""
+    try:
+        names = [shard.name for shard in shards(run.data)]
+    except ConfigError as err:
+        log.warning(f"no shard leases: the coordinator cannot list the run's data ({err}); every trainer reads it all")
+        return None
+    return ShardLeases(names, state_dir / "leases.json", ttl_s)
+
+
 def serve_coordinator(
     run: RunConfig,
     host: str,
@@ -113,6 +127,7 @@ def serve_coordinator(
     tls: tuple[Path, Path] | None = None,
     invite_only: bool = False,
     cert_ttl: datetime.timedelta = CERT_TTL,
+    lease_ttl_s: float = DEFAULT_TTL_S,
 ) -> int:
     """`announce_host`: the address peers on other machines reach this one at, handed out in
     /api/v1/join instead of the listening interfaces' addresses. `join_token`: a token peers and
@@ -120,7 +135,8 @@ def serve_coordinator(
     a `join_token` (an invite's); with neither, anyone may join. `ready_file`: where to say, once HTTP
     serves, at which URL and DHT addresses (swarm/ready.py). `tls`: (certificate, key) files to serve
     HTTPS with (uvicorn's); None: plain HTTP. `cert_ttl`: how long member certificates are valid
-    (members renew them halfway)."""
+    (members renew them halfway). `lease_ttl_s`: a trainer's lease of a shard not renewed for this
+    long expires, and the shard goes to the next trainer that asks."""
     # Signals first arrive here; until the server is up, a signal just ends the start-up early.
     stop = threading.Event()
 
@@ -130,6 +146,7 @@ def serve_coordinator(
     open_state_dir(state_dir)
     invites = Invites(state_dir / "invites.json", shared_token=join_token, invite_only=invite_only)
     history = History(state_dir / "history.sqlite")
+    leases = shard_leases(run, state_dir, lease_ttl_s)
     recorder = HistoryRecorder(history)
     known = KnownPeers(state_dir / "peers.json")
     # The DHT's process is forked before our handlers are installed, so it keeps the default
@@ -151,7 +168,7 @@ def serve_coordinator(
         reader.start()
         publisher.start()
 
-        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, ca=ca)
+        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, ca=ca, leases=leases)
         cert, key = tls if tls else (None, None)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
         server = uvicorn.Server(config)

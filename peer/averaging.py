@@ -39,6 +39,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import InvalidStateError
 from functools import partial
 
@@ -246,11 +247,21 @@ class NormExchange:
 
     SKIPPED_SHARES = 8  # a stage that skips steps publishes a share of 0 for at most this many of them
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, stages: int, stage: int, timeout: float):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        stages: int,
+        stage: int,
+        timeout: float,
+        idle: Callable[[], None] | None = None,
+    ):
+        """`idle`: called between looks at the DHT while waiting (default: a 20 ms sleep)."""
         self.dht, self.run_id, self.stages, self.stage = dht, run_id, stages, stage
-        self.timeout = timeout
+        self.timeout, self.idle = timeout, idle or (lambda: time.sleep(0.02))
         self.me = dht.peer_id.to_base58()
         self.step = 0  # the global step being taken, set by the updater before each step
+        self.waited = 0.0
 
     def publish(self, step: int, squared: float) -> None:
         """This stage's share of global step `step` (0.0 for a step it skipped)."""
@@ -262,16 +273,18 @@ class NormExchange:
         if self.stages == 1:
             return math.sqrt(squared)
         self.publish(self.step, squared)
-        deadline = time.monotonic() + self.timeout
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout
         while True:
             shares = read_norm_shares(self.dht, self.run_id, self.step, self.stages)
             if len(shares) == self.stages:
+                self.waited = time.monotonic() - t0
                 return math.sqrt(sum(shares.values()))
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.stages)) - set(shares))
                 log.warning(f"stage {self.stage} step {self.step}: no gradient norm from stage(s) {missing}; own norm")
                 return math.sqrt(squared)
-            time.sleep(0.02)
+            self.idle()
 
 
 class PartnerWatch:
@@ -358,7 +371,15 @@ class SwarmUpdater:
 
     MAX_FAILED_LOADS = 3
 
-    def __init__(self, run: RunConfig, stage: int, module: torch.nn.Module, dht: hivemind.DHT):
+    def __init__(
+        self,
+        run: RunConfig,
+        stage: int,
+        module: torch.nn.Module,
+        dht: hivemind.DHT,
+        idle: Callable[[], None] | None = None,
+    ):
+        """`idle`: called again and again while a step waits for the other stages' gradient norms."""
         self.run, self.stage, self.module = run, stage, module
         t, a = run.training, run.averaging
         self.prefix = averaging_prefix(run.run_id, stage)
@@ -372,7 +393,7 @@ class SwarmUpdater:
         self.check = ReplicaCheck(dht, run.run_id, stage)
         self.last_step: dict = {}
         groups = param_groups(module, t.weight_decay)
-        self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s)
+        self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s, idle)
         self.opt = hivemind.Optimizer(
             dht=dht,
             run_id=self.prefix,
@@ -510,7 +531,15 @@ class SwarmUpdater:
             group = 0
             log.warning(f"stage {self.stage} step {before}: the averaged gradient was not finite; not applied")
         self.last_step = {"step": before, "samples": pending, "group": group, "s": time.perf_counter() - started}
-        log.info("stage %d step %d: %d samples, averaged in a group of %d", self.stage, before, pending, group)
+        log.info(
+            "stage %d step %d: %d samples, averaged in a group of %d in %.3f s (norm wait %.3f s)",
+            self.stage,
+            before,
+            pending,
+            group,
+            self.last_step["s"],
+            self.norms.waited,
+        )
         if group == 0:
             # The others applied a step this replica did not: it must load their state.
             self.missed = True

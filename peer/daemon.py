@@ -40,6 +40,7 @@ from peer.options import PeerOptions
 from peer.service import start_server
 from peer.throughput import cached_throughput
 from peer.worker import StageWorker
+from swarm import memory
 from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.identity import Member
@@ -92,12 +93,14 @@ class PeerDaemon:
         options: PeerOptions,
         coordinators: set[str] | None,
         member: Member | None = None,
+        fits: list[int] | None = None,
     ):
         """`options.port`: the stage service's port, kept across moves (0: the first free one);
         `coordinators`: the DHT peer ids whose removal records count (the coordinator joined through;
-        None: anyone's); `member`: this peer's run membership, its stage service's TLS identity."""
+        None: anyone's); `member`: this peer's run membership, its stage service's TLS identity;
+        `fits`: the stages this device can hold (swarm/memory.py), the only ones it moves to (None: all)."""
         self.run, self.dht, self.device, self.options, self.coordinators = run, dht, device, options, coordinators
-        self.member = member
+        self.member, self.fits = member, fits
         self.port = options.port
         peer_id = dht.peer_id.to_base58()
         self.record = PeerRecord(
@@ -133,7 +136,7 @@ class PeerDaemon:
         opts, checkpoints = self.options, None
         if opts.checkpoint_dir is not None:
             checkpoints = CheckpointWriter(opts.checkpoint_dir, self.run, stage, opts.checkpoint_every)
-        self.worker = StageWorker(self.run, stage, self.device, self.dht, checkpoints, opts.faults)
+        self.worker = StageWorker(self.run, stage, self.device, self.dht, checkpoints, opts.faults, opts.inflight)
         source = self.take_state(stage)
         # The port stays the same across moves, so the address the trainers know stays right.
         self.server, _, self.port = start_server(self.worker, opts.host, self.port, member=self.member)
@@ -228,7 +231,7 @@ class PeerDaemon:
 
     def rebalance(self, view: SwarmView) -> None:
         """Move to the stage the swarm needs most, when that is clearly better (swarm/rebalance.py)."""
-        target = should_move(view, self.record, self.run.rebalance.margin)
+        target = should_move(view, self.record, self.run.rebalance.margin, self.fits)
         if target is None:
             return
         source = self.record.stage
@@ -260,14 +263,22 @@ def run_peer(options: PeerOptions) -> int:
                 f"--checkpoint-dir: cannot write to {options.checkpoint_dir}: {err.strerror or err}"
             ) from None
     stage = options.stage
-
-    def check_stage(run: RunConfig) -> None:
-        if stage is not None and not 0 <= stage < run.stages.count:
-            raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
-
     if options.threads:
         torch.set_num_threads(options.threads)
     dev = resolve_device(options.device)
+    limit = memory.budget(dev, options.max_memory)
+
+    def check_stage(run: RunConfig) -> None:
+        """Refuse, before anything starts, a stage the run lacks or this device cannot hold."""
+        if stage is not None and not 0 <= stage < run.stages.count:
+            raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
+        inflight = memory.peer_inflight(run, options.inflight)
+        if stage is not None:
+            memory.check_stage(run, stage, dev.type, inflight, limit)
+        elif not memory.fitting_stages(run, dev.type, inflight, limit):
+            smallest = min(range(run.stages.count), key=lambda k: memory.estimate(run, k, dev.type, inflight).total)
+            memory.check_stage(run, smallest, dev.type, inflight, limit)
+
     host = options.host
     dht_host = host if host not in ("", "::") else "0.0.0.0"
     run, initial_peers, dht, member = join_dht(
@@ -283,12 +294,14 @@ def run_peer(options: PeerOptions) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    peer = PeerDaemon(run, dht, dev, options, maddr_peer_ids(initial_peers), member)
+    fits = memory.fitting_stages(run, dev.type, memory.peer_inflight(run, options.inflight), limit)
+    peer = PeerDaemon(run, dht, dev, options, maddr_peer_ids(initial_peers), member, fits)
     try:
         if stage is None:
             time.sleep(random.uniform(0, SPREAD_WAIT_S))  # peers that start together spread out
             view = read_swarm(dht, run.run_id, run.stages.count)
-            stage = pick_stage(view.stage_throughputs(), [len(view.stages[k]) for k in range(run.stages.count)])
+            counts = [len(view.stages[k]) for k in range(run.stages.count)]
+            stage = pick_stage(view.stage_throughputs(), counts, fits)
         peer.serve(stage)
         period = run.rebalance.period_s
 

@@ -65,4 +65,6 @@ class PeerOptions:
     join_token: str | None = None  # the run's join token, asked of every call to this peer too
     join_wait: float = 0.0  # seconds to keep trying a coordinator that does not answer
     ready_file: Path | None = None  # rewritten whenever the peer starts serving a stage (swarm/ready.py)
+    inflight: int | None = None  # forward graphs kept for their backward (None: the run's serve.cache_size)
+    max_memory: int | None = None  # bytes a stage may take on the device, below what it has (None: all it has)
     faults: Faults = NO_FAULTS

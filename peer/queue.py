@@ -62,6 +62,11 @@ def batch_key(work: ForwardWork | BackwardWork) -> tuple:
     return ("backward", work.input_shape[1:], work.output_grad.dtype, work.cached is None)
 
 
+def accumulates(work: ForwardWork | BackwardWork) -> bool:
+    """Work that adds to the stage's gradient: a backward, or the last stage's training forward."""
+    return isinstance(work, BackwardWork) or (work.train and work.targets is not None)
+
+
 def resolve(future: Future, result=None, error: BaseException | None = None) -> None:
     """Hand a result to a caller that may have given up meanwhile (its future is then cancelled)."""
     try:
@@ -114,20 +119,35 @@ class WorkQueue:
     def __len__(self) -> int:
         return sum(map(len, self.lanes.values()))
 
-    def take(self, budget: int, timeout: float = 0.5) -> tuple[str, list[Task]] | None:
+    def take(
+        self, budget: int, timeout: float = 0.5, room: int | None = None, upto: int | None = None
+    ) -> tuple[str, list[Task]] | None:
+        """`budget`: tokens of a batch; `room`: samples of a batch of work that `accumulates` (the first
+        task is taken whatever its size); `upto`: only work for global step `upto` or earlier (work
+        for a later step stays queued, and None comes back when no lane begins with such work)."""
         with self.cond:
             if not self.cond.wait_for(lambda: len(self) or self.closed, timeout) or self.closed:
                 return None
-            kind = "backward" if self.lanes["backward"] else "forward"
-            lane = self.lanes[kind]
+            lanes = [self.lanes[kind] for kind in ("backward", "forward")]
+            lanes = [lane for lane in lanes if lane and (upto is None or lane[0].work.step <= upto)]
+            if not lanes:
+                return None
+            lane = lanes[0]
+            kind = "backward" if lane is self.lanes["backward"] else "forward"
             first = lane.popleft()
-            batch, tokens = [first], first.tokens
+            batch, tokens, samples = [first], first.tokens, first.samples
             key = batch_key(first.work)
-            # Take more of the same kind and shape while they fit the token budget.
+            room = room if room is not None and accumulates(first.work) else None
+            # Take more of the same kind and shape while they fit the token budget (and the room).
             while lane and batch_key(lane[0].work) == key and tokens + lane[0].tokens <= budget:
+                if room is not None and samples + lane[0].samples > room:
+                    break
+                if upto is not None and lane[0].work.step > upto:
+                    break
                 task = lane.popleft()
                 batch.append(task)
                 tokens += task.tokens
+                samples += task.samples
             return kind, batch
 
     def close(self) -> None:

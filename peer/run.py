@@ -13,6 +13,7 @@ from peer.service import start_server
 from peer.worker import StageWorker
 from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
+from swarm.memory import budget, check_stage, peer_inflight
 from swarm.ready import PeerReady, write_ready
 
 log = logging.getLogger(__name__)
@@ -28,15 +29,21 @@ def serve_stage(
     status_every: float = 30.0,
     join_token: str | None = None,
     ready_file: Path | None = None,
+    inflight: int | None = None,
+    max_memory: int | None = None,
 ) -> int:
     """`join_token`: every call must carry it (peer/auth.py); None: anyone may call. `ready_file`:
-    where to say, once the server serves, at which address (swarm/ready.py)."""
+    where to say, once the server serves, at which address (swarm/ready.py). `inflight`: forward
+    graphs kept for their backward (default `serve.cache_size`); the stage is refused (StageTooLarge)
+    when it needs more memory than the device has, or than `max_memory` bytes."""
     if not 0 <= stage < run.stages.count:
         raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
     if threads:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
-    worker = StageWorker(run, stage, dev)
+    need = check_stage(run, stage, dev.type, peer_inflight(run, inflight), budget(dev, max_memory))
+    log.info(need.describe())
+    worker = StageWorker(run, stage, dev, cache_size=inflight)
     server, service, bound = start_server(worker, host, port, join_token=join_token)
     layers = run.stage_layers(stage)
     log.info(
@@ -57,7 +64,9 @@ def serve_stage(
         )
     server.stop(grace=5).wait()
     worker.close()
+    peak = f", peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**20:.0f} MiB" if dev.type == "cuda" else ""
     print(
-        f"stage {stage}: stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps", flush=True
+        f"stage {stage}: stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps{peak}",
+        flush=True,
     )
     return 0

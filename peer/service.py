@@ -106,7 +106,9 @@ class StageService:
         work = parse_forward(request, self.shape)
         future = self.worker.submit(work, lambda: caller_waiting(context))
         result = self._wait(future, context)
-        response = pb.ForwardResponse(loss=result.loss, queue_s=getattr(future, "queue_s", 0.0))
+        response = pb.ForwardResponse(
+            loss=result.loss, queue_s=getattr(future, "queue_s", 0.0), stage_step=future.stage_step
+        )
         if result.output is not None:
             response.output.CopyFrom(encode(result.output, self.codec))
         if result.input_grad is not None:
@@ -117,7 +119,7 @@ class StageService:
         work = parse_backward(request, self.shape, self.worker.claim_cached)
         future = self.worker.submit(work, lambda: caller_waiting(context))
         grad = self._wait(future, context)
-        response = pb.BackwardResponse(queue_s=getattr(future, "queue_s", 0.0))
+        response = pb.BackwardResponse(queue_s=getattr(future, "queue_s", 0.0), stage_step=future.stage_step)
         if grad is not None:
             response.input_grad.CopyFrom(encode(grad, self.codec))
         return response

@@ -4,11 +4,30 @@ The worker accumulates the gradients of the samples it served in the parameters'
 `Updater` (peer/averaging.py) turns them into a step: alone (`LocalUpdater`, every global batch) or
 averaged with the other peers of the stage (`SwarmUpdater`). The `Stepper` decides when:
 
-Requests carry the global step they belong to: a training request for step s needs the weights
-after s steps, so a worker that has not yet taken step s - 1 finishes it first (waiting for the
-stage's count, at most `averaging.sync_timeout_s`). A worker that missed steps takes the stage's
+A stage steps every global batch of samples it served, from whichever trainers sent them (as
+hivemind counts a collaboration's samples). Every answer tells the trainer the stage's step
+(`stage_step`): the steps it took, plus one when the samples it served complete the next global
+batch (that step is taken before any later work). A trainer names in its next requests the step
+all stages reached (swarm/trainer/loop.py): one trainer alone names s + 1 after its step s, so each
+of its global batches is one step, as in synchronous training; with several trainers the stages
+count every one's samples, and no trainer waits for a step that the others' samples complete.
+
+Requests carry the global step whose weights they need: a training request for step s needs the
+weights after s steps, so a worker that has not yet taken step s - 1 finishes it first (waiting for
+the stage's count, at most `averaging.sync_timeout_s`). A worker that missed steps takes the stage's
 state from its live peers (`resync`); steps whose gradients died with the peers that served them
-are skipped, so that the stage's step count stays the trainer's global step.
+are skipped, so that the stage's step count stays the swarm's global step.
+
+The stages' steps line up by count: a batch of work that adds to the gradient stops at the global
+batch (`room`), so that every stage's step n holds the n-th global batch of the samples it served.
+The stages exchange gradient norms by step number (peer/averaging.py NormExchange): were stage 1's
+step n to swallow two trainers' batches at once, stage 0's step n would wait for a norm that only
+comes after work stage 0 itself has to serve. While a step waits for the other stages' norms (the
+last stage finishes its batch a whole backward pass before the first), the compute thread serves
+the queued work that does not need the step (`stepping`, worker.py `_serve_aside`): work for the
+steps already taken, another trainer's or a check's; its gradients are set aside (`Aside`) and count
+toward the next step. One trainer alone sends no such work (its next requests name the step being
+taken), so its steps stay those of synchronous training.
 
 Checkpoints (peer/checkpoint.py): right after an optimizer step, on the compute thread and under the
 lock that guards the weights, the stepper offers the stage's state to a `CheckpointWriter`, which
@@ -77,11 +96,14 @@ class Updater(Protocol):
     def close(self) -> None: ...
 
 
-def make_updater(run: RunConfig, stage: int, module: torch.nn.Module, dht=None) -> Updater:
-    """A lone stage's updater, or with a `dht` one that averages with the other peers of the stage."""
+def make_updater(
+    run: RunConfig, stage: int, module: torch.nn.Module, dht=None, idle: Callable[[], None] | None = None
+) -> Updater:
+    """A lone stage's updater, or with a `dht` one that averages with the other peers of the stage;
+    `idle` is called while its step waits for the other stages' gradient norms."""
     if dht is None:
         return LocalUpdater(run, module)
-    return SwarmUpdater(run, stage, module, dht)
+    return SwarmUpdater(run, stage, module, dht, idle=idle)
 
 
 class StagedGrads:
@@ -108,9 +130,42 @@ class StagedGrads:
         for p, kept in zip(self.params, self.kept, strict=True):
             p.grad = kept
 
+    def set_aside(self, aside: Aside) -> None:
+        """Add the fresh gradients to `aside` (not to the ones set aside here), and put those back."""
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    aside.add(p, p.grad)
+        self.drop()
+
+
+class Aside:
+    """The gradients of work served while the stage's step waits (`Stepper.stepping`): they belong to
+    the step after it, so they stay out of the buffers the step reads, until it is taken."""
+
+    def __init__(self):
+        self.grads: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.samples = 0
+        self.ids: list[str] = []
+
+    def add(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        if p in self.grads:
+            self.grads[p].add_(grad)
+        else:
+            self.grads[p] = grad.detach().clone()
+
+    def restore(self) -> None:
+        """Into the parameters' gradients (which the step left zeroed, or set to None)."""
+        with torch.no_grad():
+            for p, grad in self.grads.items():
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+
 
 class Stepper:
-    """Keeps one stage's weights at the trainer's global step: counts the samples served, steps,
+    """Keeps one stage's weights at the swarm's global step: counts the samples served, steps,
     catches up, resyncs and skips; logs each step and offers it to the checkpoints."""
 
     def __init__(
@@ -137,15 +192,33 @@ class Stepper:
         self.samples_pending = 0  # ... since the last optimizer step
         self._next_resync = 0.0
         self.skipped_steps: list[range] = []  # global steps whose gradients never reached this stage (catch_up)
+        # While a step runs (it may wait for the other stages' gradient norms), the compute thread
+        # serves the work that does not need it; that work's gradients go here (worker.py: _serve_aside).
+        self.stepping: Aside | None = None
 
     @property
     def optimizer_steps(self) -> int:
         """Global steps this stage's weights include."""
         return self.updater.epoch
 
+    @property
+    def stage_step(self) -> int:
+        """The global step this stage reaches with the samples it served: a step due is counted (it is
+        taken before any later work: after the answers, or in the next request's catch-up)."""
+        return self.optimizer_steps + int(self.stepping is not None or self.updater.ready(self.samples_pending))
+
+    def room(self) -> int:
+        """Samples the next batch of gradient work may hold without crossing the global batch (at least 1)."""
+        held = self.stepping.samples if self.stepping is not None else self.samples_pending
+        return max(1, self.run.training.global_batch - held)
+
     def served(self, microbatch_ids: list[str], samples: int) -> None:
-        """These microbatches' gradients were accumulated. Under the lock."""
+        """These microbatches' gradients were accumulated (set aside, while a step runs). Under the lock."""
         self.samples_served += samples
+        if self.stepping is not None:
+            self.stepping.samples += samples
+            self.stepping.ids.extend(microbatch_ids)
+            return
         self.samples_pending += samples
         self.pending_ids.extend(microbatch_ids)
         self.updater.served(self.samples_pending)
@@ -161,7 +234,7 @@ class Stepper:
         """Work for global step `step` needs the weights after `step` steps: take the step before it
         first, once the stage has served its batch (or the wait for the count times out).
 
-        The stage's step count stays the trainer's global step: a step none of whose samples reached
+        The stage's step count stays the swarm's global step: a step none of whose samples reached
         a live peer of the stage (the peers that served it died with its gradients) is skipped, not
         left to shift every later step by one (each later step would then wait for a count that never
         comes, and exchange gradient norms with the other stages under the wrong step)."""
@@ -244,20 +317,32 @@ class Stepper:
         self.module.zero_grad(set_to_none=False)
 
     def _step(self, force: bool = False) -> None:
-        """Take the stage's step, if the updater does. Under the lock."""
+        """Take the stage's step, if the updater does. Under the lock (the work served while the step
+        waits runs on the step's behalf, under the same hold: `stepping`)."""
         before = self.optimizer_steps
-        used = self.updater.step(self.samples_pending, force=force)
-        if self.optimizer_steps == before:
-            return
-        self.invalidate()  # graphs recorded before the step no longer match the weights
-        self.samples_pending -= used
-        if self.step_log:
-            entry = {"stage": self.stage_index, "step": self.optimizer_steps, "microbatches": self.pending_ids}
-            with open(self.step_log, "a") as f:
-                f.write(json.dumps(entry) + "\n")
-        self.pending_ids = []
-        if self.checkpoints is not None and not self.updater.missed:
-            # A replica that missed the stage's all-reduce holds a state that is not the step's.
-            self.checkpoints.offer(
-                self.optimizer_steps, lambda: Snapshot.take(self.module, self.updater.optimizer, self.optimizer_steps)
-            )
+        self.stepping = aside = Aside()
+        try:
+            used = self.updater.step(self.samples_pending, force=force)
+            if self.optimizer_steps == before:
+                return
+            self.invalidate()  # graphs recorded before the step no longer match the weights
+            self.samples_pending -= used
+            if self.step_log:
+                entry = {"stage": self.stage_index, "step": self.optimizer_steps, "microbatches": self.pending_ids}
+                with open(self.step_log, "a") as f:
+                    f.write(json.dumps(entry) + "\n")
+            self.pending_ids = []
+            if self.checkpoints is not None and not self.updater.missed:
+                # A replica that missed the stage's all-reduce holds a state that is not the step's.
+                self.checkpoints.offer(
+                    self.optimizer_steps,
+                    lambda: Snapshot.take(self.module, self.updater.optimizer, self.optimizer_steps),
+                )
+        finally:
+            # What was served while the step ran counts toward the next one.
+            self.stepping = None
+            aside.restore()
+            if aside.samples:
+                self.samples_pending += aside.samples
+                self.pending_ids.extend(aside.ids)
+                self.updater.served(self.samples_pending)

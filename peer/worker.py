@@ -17,6 +17,7 @@ keeps the weights at the step each request names before the request runs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from peer.checkpoint import Checkpoint, CheckpointWriter
 from peer.options import NO_FAULTS, Faults
-from peer.queue import Task, WorkQueue, gave_up, resolve, still_waiting
+from peer.queue import Task, WorkQueue, accumulates, gave_up, resolve, still_waiting
 from peer.requests import BackwardWork, CachedForward, ForwardWork, RequestError
 from peer.stepper import StagedGrads, Stepper, make_updater
 from swarm.config import RunConfig
@@ -103,17 +104,19 @@ class StageWorker:
         dht=None,
         checkpoints: CheckpointWriter | None = None,
         faults: Faults = NO_FAULTS,
+        cache_size: int | None = None,
     ):
         """With a `dht`, the worker averages its steps with the other peers of its stage;
         `checkpoints` saves the stage's state every so many steps (closed with the worker); `faults`:
-        what a test makes this worker do wrong (peer/options.py)."""
+        what a test makes this worker do wrong (peer/options.py); `cache_size`: the forward graphs
+        kept for their backward (default `serve.cache_size`), which bounds its activation memory."""
         self.run, self.stage_index, self.device, self.faults = run, stage, device, faults
         self.stage = Stage(run, stage).to(device)
         self.stage.train()
-        self.updater = make_updater(run, stage, self.stage, dht)
+        self.updater = make_updater(run, stage, self.stage, dht, idle=self._serve_aside)
         self.queue = WorkQueue()
         self.lock = threading.Lock()  # held while parameters or gradients change
-        self.cache = ForwardCache(run.serve.cache_size)
+        self.cache = ForwardCache(run.serve.cache_size if cache_size is None else cache_size)
         self.stepper = Stepper(
             run,
             stage,
@@ -190,7 +193,8 @@ class StageWorker:
 
     def _turn(self) -> None:
         """One round of the compute thread: a batch of work, or a look at the stage's step when idle."""
-        got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1)
+        # Gradient work stops at the global batch, so that the stages' steps line up (peer/stepper.py).
+        got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1, room=self.stepper.room())
         if got is None:
             self.stepper.maybe_step()  # the stage may have completed its batch on other peers
             return
@@ -203,7 +207,24 @@ class StageWorker:
             raise
         self._run_batch(kind, batch)
 
-    def _run_batch(self, kind: str, batch: list[Task]) -> None:
+    def _serve_aside(self) -> None:
+        """Called by the stage's step while it waits for the other stages' gradient norms (peer/averaging.py
+        NormExchange; on hivemind's optimizer thread, while the compute thread holds the lock and waits
+        for that step, so the batch runs without taking the lock again): serve one batch of the work
+        that does not need this step (work for the steps already taken: another trainer's, or a check),
+        its gradients set aside for the next step (peer/stepper.py Aside); else wait a moment. Without
+        it, a stage that finished its global batch would sit idle until the slowest stage finished
+        too, and a second trainer would add nothing."""
+        got = self.queue.take(
+            self.run.serve.max_batch_tokens, timeout=0.02, room=self.stepper.room(), upto=self.optimizer_steps
+        )
+        if got is None:
+            time.sleep(0.02)
+            return
+        self._run_batch(*got, locked=True)
+
+    def _run_batch(self, kind: str, batch: list[Task], locked: bool = False) -> None:
+        """`locked`: the lock is held for this batch already (`_serve_aside`)."""
         batch = still_waiting(batch)
         if not batch:
             return
@@ -211,8 +232,8 @@ class StageWorker:
         for task in batch:
             task.future.queue_s = start - task.enqueued  # read by the service, reported for routing
         try:
-            with self.lock:
-                if kind == "backward" or (batch[0].work.train and batch[0].work.targets is not None):
+            with contextlib.nullcontext() if locked else self.lock:
+                if accumulates(batch[0].work):
                     batch, results = self._accumulate(kind, batch)
                 else:
                     results = self._forward(batch)
@@ -225,12 +246,15 @@ class StageWorker:
             return
         samples = sum(t.samples for t in batch)
         self._measure(kind, batch, (time.perf_counter() - start) / samples)
+        stage_step = self.stepper.stage_step
         for task, result in zip(batch, results, strict=True):
+            task.future.stage_step = stage_step  # read by the service, the trainer's next step (peer/stepper.py)
             if isinstance(result, Exception):
                 resolve(task.future, error=result)
             else:
                 resolve(task.future, result=result)
-        self.stepper.maybe_step()  # after answering: the caller need not wait for the stage's step
+        if self.stepper.stepping is None:  # (a batch served while a step waits is inside that step)
+            self.stepper.maybe_step()  # after answering: the caller need not wait for the stage's step
 
     def _accumulate(self, kind: str, batch: list[Task]) -> tuple[list[Task], list]:
         """Run work that adds to the stage's gradient (backward; the last stage's training forward)
@@ -248,7 +272,10 @@ class StageWorker:
                 raise
             left = [not task.waiting() for task in batch]
             if not any(left):
-                staged.commit()
+                if self.stepper.stepping is not None:
+                    staged.set_aside(self.stepper.stepping)  # for the step after the one that waits
+                else:
+                    staged.commit()
                 served = [t for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)]
                 self.stepper.served([t.work.microbatch_id for t in served], sum(t.samples for t in served))
                 return batch, results
@@ -275,7 +302,8 @@ class StageWorker:
         """The batch's inputs, concatenated, on the device (float32 hidden states, or token ids)."""
         x = torch.cat([t.work.inputs for t in batch]) if len(batch) > 1 else batch[0].work.inputs
         x = self._to_device(x)
-        return x if self.stage.is_first else x.float()
+        # Detached: a leaf of its own for the input gradient, whatever the caller's tensor carries.
+        return x if self.stage.is_first else x.float().detach()
 
     def _split(self, t: torch.Tensor | None, batch: list[Task]) -> list[torch.Tensor | None]:
         if t is None:
@@ -287,7 +315,8 @@ class StageWorker:
         if first.targets is not None:
             return self._forward_loss(batch)
         x = self._inputs(batch)
-        cache = first.train and len(batch) == 1 and self.run.serve.cache_size > 0
+        # Not while a step waits: the graph would be of the weights the step is about to change.
+        cache = first.train and len(batch) == 1 and self.cache.size > 0 and self.stepper.stepping is None
         with torch.set_grad_enabled(cache), autocast(self.device, self.run.model.dtype):
             if cache and not self.stage.is_first:
                 x.requires_grad_(True)

@@ -88,6 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         steps=args.steps,
         inflight=args.inflight,
         log_json=args.log_json,
+        log_windows=args.log_windows,
         device=args.device,
         data=args.data,
         allow_config_files=args.allow_config_files,
@@ -163,14 +164,38 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
         join_token=args.join_token,
         join_wait=args.join_wait,
         ready_file=args.ready_file,
+        inflight=args.inflight,
+        max_memory=args.max_memory,
         faults=Faults(
             delay_per_sample=args.delay_per_sample, corrupt_outputs=args.corrupt_outputs, log_steps=args.log_steps
         ),
     )
 
 
+def peer_dry_run(args: argparse.Namespace) -> int:
+    """`swarm peer --dry-run`: every stage's memory estimate on this device, marking those that fit;
+    0 when one does."""
+    from swarm import memory
+    from swarm.device import resolve_device
+    from swarm.join import fetch_join
+
+    if args.coordinator:
+        run, _ = fetch_join(args.coordinator, join_token=args.join_token, wait_s=args.join_wait)
+    else:
+        run = load_config(args.config)
+    device = resolve_device(args.device)
+    inflight = memory.peer_inflight(run, args.inflight)
+    text, fits = memory.dry_run(run, device, inflight, memory.budget(device, args.max_memory))
+    print(text)
+    return 0 if fits else 1
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
     args.coordinator = coordinator_url(args.coordinator, bool(args.config))
+    if args.dry_run:
+        if bool(args.coordinator) == bool(args.config):
+            raise ConfigError("swarm peer --dry-run: give --coordinator URL or --config C (one of them)")
+        return peer_dry_run(args)
     if args.coordinator:
         if args.config:
             raise ConfigError("swarm peer: give --coordinator (join a run) or --config (serve by hand), not both")
@@ -192,6 +217,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
         threads=args.threads,
         join_token=args.join_token,
         ready_file=args.ready_file,
+        inflight=args.inflight,
+        max_memory=args.max_memory,
     )
 
 
@@ -218,6 +245,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         tls=tls_files(args.tls_cert, args.tls_key),
         invite_only=args.invite_only,
         cert_ttl=datetime.timedelta(hours=args.certificate_hours),
+        lease_ttl_s=args.lease_ttl,
     )
 
 
@@ -351,6 +379,11 @@ def positive_float(text: str) -> float:
     return value
 
 
+def memory_gb(text: str) -> int:
+    """--max-memory: gigabytes (GiB), as bytes."""
+    return int(positive_float(text) * 2**30)
+
+
 def http_url(text: str) -> str:
     if not text.startswith(("http://", "https://")) or not text.split("://", 1)[1].strip("/"):
         raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
@@ -375,6 +408,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from swarm.generate import load_export, sample
+    from swarm.tokenizer import load_tokenizer
 
     if not args.prompt:
         raise ConfigError("--prompt: must not be empty")
@@ -383,14 +417,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     model, run = load_export(args.model)
+    tokenizer = load_tokenizer(run.data.tokenizer)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"loaded {args.model}: {parameters:,} parameters, context {run.model.seq_len} bytes", file=sys.stderr)
+    print(
+        f"loaded {args.model}: {parameters:,} parameters, vocabulary {tokenizer.vocab_size}, "
+        f"context {run.model.seq_len} tokens",
+        file=sys.stderr,
+    )
     start = time.perf_counter()
-    text = sample(
-        model, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, seed=args.seed
+    text, count = sample(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        seed=args.seed,
     )
     print(args.prompt + text, flush=True)
-    print(f"{args.max_new_tokens} bytes in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print(f"{count} tokens in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from swarm.tokenizer import train_from_files
+
+    print(train_from_files(Path(args.data), args.vocab_size, args.out), flush=True)
     return 0
 
 
@@ -450,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="run configuration (TOML), e.g. configs/tiny.toml")
     train.add_argument("--steps", type=positive_int, help="optimizer steps to run (default: training.steps)")
     train.add_argument("--log-json", metavar="PATH", help="write one JSON object per optimizer step to PATH")
+    train.add_argument("--log-windows", metavar="PATH", help=argparse.SUPPRESS)  # the windows each microbatch trained
     train.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     train.add_argument("--peers", metavar="ADDR0,ADDR1,...", help="one stage worker per stage, in stage order")
     train.add_argument("--inflight", type=positive_int, default=4, help="microbatches in flight at once (default 4)")
@@ -524,6 +577,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     peer.add_argument(
+        "--inflight",
+        metavar="N",
+        type=non_negative_int,
+        help="forward graphs kept for their backward, each a microbatch of activations in memory; the rest are "
+        "recomputed in backward (default: the run's serve.cache_size)",
+    )
+    peer.add_argument(
+        "--max-memory",
+        metavar="GB",
+        type=memory_gb,
+        help="memory a stage may take on the device, below what the device has (default: all it has); "
+        "a stage that needs more is refused",
+    )
+    peer.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print every stage's memory estimate on this device, marking those that fit, and exit "
+        "(0 when one fits) without serving",
+    )
+    peer.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
         type=checkpoint_dir_choice,
@@ -592,6 +665,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="H",
         help="how long the run certificates of peers and trainers are valid; they renew them halfway (default: 24)",
     )
+    coord.add_argument(
+        "--lease-ttl",
+        type=positive_float,
+        default=30.0,
+        metavar="S",
+        help="a trainer's lease of a data shard not renewed for this long expires, and the shard goes to the "
+        "next trainer from where it stopped (default: 30)",
+    )
     coord.set_defaults(func=cmd_coordinator)
     actions = coord.add_subparsers(
         dest="action",
@@ -634,7 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
         "export",
         help="gather the model from a live swarm into one Hugging Face checkpoint",
         description="Fetch every stage's weights from live peers (all at one optimizer step) and write a Hugging "
-        "Face Llama checkpoint: model.safetensors, config.json, the byte tokenizer, swarm_export.json.",
+        "Face Llama checkpoint: model.safetensors, config.json, the run's tokenizer, swarm_export.json.",
     )
     export.add_argument("--coordinator", required=True, type=http_url, metavar="URL", help="the run's coordinator")
     export.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory to write (created)")
@@ -661,25 +742,48 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--model", required=True, type=Path, metavar="DIR", help="the export's directory")
     generate.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
     generate.add_argument(
-        "--max-new-tokens", type=positive_int, default=200, metavar="N", help="bytes to generate (default 200)"
+        "--max-new-tokens", type=positive_int, default=200, metavar="N", help="tokens to generate (default 200)"
     )
     generate.add_argument(
         "--temperature",
         type=non_negative_float,
         default=0.8,
         metavar="T",
-        help="sampling temperature; 0 takes the most likely byte (default 0.8)",
+        help="sampling temperature; 0 takes the most likely token (default 0.8)",
     )
     generate.add_argument(
         "--top-k",
         type=non_negative_int,
         default=40,
         metavar="K",
-        help="sample among the K likeliest bytes; 0: among all (default 40)",
+        help="sample among the K likeliest tokens; 0: among all (default 40)",
     )
     generate.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="random seed (default 0)")
     generate.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     generate.set_defaults(func=cmd_generate)
+
+    tokenizer = sub.add_parser(
+        "tokenizer",
+        help="train a tokenizer for a run ([data] tokenizer = its file)",
+        description="Make a tokenizer.json for a run's [data] tokenizer.",
+    )
+    tokenizer_actions = tokenizer.add_subparsers(dest="action", required=True, metavar="ACTION", prog="swarm tokenizer")
+    train_tok = tokenizer_actions.add_parser(
+        "train",
+        help="fit a byte-level BPE to text files",
+        description="Fit a byte-level BPE (the tokenizers package; any text encodes, <|endoftext|> is its special "
+        "token) to a text file or a folder of text files, read one file at a time, and write it as tokenizer.json.",
+    )
+    train_tok.add_argument(
+        "--data", required=True, type=data_path, metavar="PATH", help="a text file, or a folder of text files"
+    )
+    train_tok.add_argument(
+        "--vocab-size", required=True, type=positive_int, metavar="N", help="tokens, 257 (bytes + 1) or more"
+    )
+    train_tok.add_argument(
+        "--out", required=True, type=ready_file_path, metavar="FILE", help="the tokenizer.json to write"
+    )
+    train_tok.set_defaults(func=cmd_tokenizer_train)
 
     demo = sub.add_parser(
         "demo",
@@ -697,7 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--prompt", default="The ", help="start of the sample drawn from the exported model")
     demo.set_defaults(func=cmd_demo)
-    for command in [*sub.choices.values(), invite, revoke]:
+    for command in [*sub.choices.values(), invite, revoke, train_tok]:
         command.add_argument(
             "--log-level",
             choices=LEVELS,

@@ -30,7 +30,7 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    vocab_size: int = Field(256, ge=2, description="tokens; 256 for the byte tokenizer")
+    vocab_size: int = Field(256, ge=2, description="tokens (default: data.tokenizer's; 256 for bytes)")
     d_model: int = Field(128, ge=8, description="hidden size")
     n_layers: int = Field(4, ge=1, description="transformer blocks, cut into stages")
     n_heads: int = Field(4, ge=1, description="attention heads (must divide d_model)")
@@ -41,6 +41,11 @@ class ModelConfig(_Strict):
     tie_embeddings: bool = Field(False, description="share the embedding with the LM head (one stage only)")
     rope_theta: float = Field(10000.0, gt=0, description="rotary embedding base")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
+    checkpoint_activations: bool = Field(
+        False,
+        description="recompute each block in backward instead of keeping its activations: a stage keeps only its "
+        "blocks' inputs per microbatch in flight, for about a third more compute",
+    )
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
@@ -119,13 +124,23 @@ class DataConfig(_Strict):
     source: Literal["embedded", "files", "huggingface"] = Field(
         "embedded", description="the training text; embedded is CPython's documentation, shipped with Python"
     )
-    path: str | None = Field(None, description="file or folder, for source = 'files'")
-    dataset: str | None = Field(None, description="datasets.load_dataset name, for 'huggingface'")
+    path: str | None = Field(
+        None, description="file or folder, for source = 'files': text, .jsonl and .parquet files, read by suffix"
+    )
+    dataset: str | None = Field(None, description="datasets.load_dataset name, for 'huggingface' (streamed)")
     dataset_config: str | None = Field(None, description="its configuration name")
     data_files: list[str] | None = Field(None, description="its data_files")
     split: str = Field("train", description="its split")
-    text_field: str = Field("text", description="its column of text")
-    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="the end of the text held out for validation")
+    text_field: str = Field("text", min_length=1, description="the field of text in .jsonl, .parquet and datasets")
+    val_fraction: float = Field(
+        0.05, gt=0, lt=0.5, description="the fraction of documents held out for validation (by a stable hash)"
+    )
+    tokenizer: str = Field(
+        "bytes",
+        min_length=1,
+        description="'bytes' (UTF-8 bytes, vocab 256) or a tokenizer.json (swarm tokenizer train), relative to "
+        "the config file; model.vocab_size follows it",
+    )
 
     def local_paths(self) -> list[str]:
         """The paths on the reading machine this section would make a trainer read: the path of
@@ -284,12 +299,18 @@ class RunConfig(_Strict):
     def with_data(self, path: str) -> RunConfig:
         """The same run trained on the text files at `path` (a file, or a folder of them)."""
         data = self.model_dump()
-        data["data"] = {"source": "files", "path": path, "val_fraction": self.data.val_fraction}
+        data["data"] = {
+            "source": "files",
+            "path": path,
+            "val_fraction": self.data.val_fraction,
+            "tokenizer": self.data.tokenizer,
+        }
         return RunConfig.model_validate(data)
 
     def model_hash(self) -> str:
         """A short fingerprint of everything that decides the weights' shapes and layout."""
-        blob = self.model.model_dump_json() + self.stages.model_dump_json()
+        # Recomputing activations changes neither the weights nor the results: peers that differ in it agree.
+        blob = self.model.model_dump_json(exclude={"checkpoint_activations"}) + self.stages.model_dump_json()
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -374,4 +395,29 @@ def load_config(path: str | Path) -> RunConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    return parse_config(data, str(path))
+    return resolve_tokenizer(parse_config(data, str(path)), path.parent, str(path))
+
+
+def resolve_tokenizer(run: RunConfig, config_dir: Path, source: str = "config") -> RunConfig:
+    """The run with its tokenizer read: `data.tokenizer` made an absolute path (a relative one is
+    relative to `config_dir`), and `model.vocab_size` the tokenizer's when the config leaves it
+    out; a config that sets another vocab_size is refused. A file the tokenizers package cannot
+    read is refused here, before anything starts."""
+    from swarm.tokenizer import BYTES, load_tokenizer  # it imports this module
+
+    spec = run.data.tokenizer
+    if spec != BYTES:
+        spec = str((config_dir / Path(spec).expanduser()).resolve())
+    try:
+        tok = load_tokenizer(spec)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: data.tokenizer: {err}") from None
+    if "vocab_size" in run.model.model_fields_set and run.model.vocab_size != tok.vocab_size:
+        raise ConfigError(
+            f"{source}: model.vocab_size: {run.model.vocab_size}, but the tokenizer ({spec}) has {tok.vocab_size} "
+            "tokens; set it to that, or leave it out to take the tokenizer's"
+        )
+    data = run.model_dump()
+    data["data"]["tokenizer"] = spec
+    data["model"]["vocab_size"] = tok.vocab_size
+    return parse_config(data, source)

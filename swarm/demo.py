@@ -247,10 +247,11 @@ def run_demo(opts: DemoOptions) -> int:
         state = demo.refresh_state()
         from swarm.export import export_swarm
         from swarm.generate import load_export, sample
+        from swarm.tokenizer import load_tokenizer
 
         exported = export_swarm(demo.url, workdir / "model", note=lambda text: print(text, flush=True))
-        model, _ = load_export(workdir / "model")
-        text = sample(model, opts.prompt, opts.sample_tokens)
+        model, exported_run = load_export(workdir / "model")
+        text, _ = sample(model, load_tokenizer(exported_run.data.tokenizer), opts.prompt, opts.sample_tokens)
         print(f"\nsample from the exported model (prompt {opts.prompt!r}):\n{'-' * 72}\n{text}\n{'-' * 72}")
         baseline = _unigram(run)
         print(summary_table(_summary_rows(records, state, baseline, peers, exported, demo.started)), flush=True)
@@ -277,9 +278,9 @@ def run_demo(opts: DemoOptions) -> int:
 
 
 def _unigram(run: RunConfig) -> float:
-    from swarm.data import TokenStream
+    from swarm.data import TrainStream
 
-    return TokenStream.from_config(run.data, run.model.seq_len, run.training.seed).unigram_loss()
+    return TrainStream.local(run.data, run.model.seq_len, run.training.seed).unigram_loss()
 
 
 def _summary_rows(

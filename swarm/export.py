@@ -7,10 +7,10 @@ by reading the stages that lag again, and an export that still mixes steps at th
 
 The directory holds what `transformers.AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` read: `model.safetensors` (the stage's parameter names behind
-`model.`, as in HF's `LlamaForCausalLM`), `config.json`, `generation_config.json`, the byte
-tokenizer (`tokenizer.json` and friends, id == byte value), and `swarm_export.json` (run, step and
-source peers). Nothing here imports transformers or tokenizers: they are not dependencies of
-swarm, so the files are written as the plain JSON those libraries read.
+`model.`, as in HF's `LlamaForCausalLM`), `config.json`, `generation_config.json`, the run's
+tokenizer (`tokenizer.json` and friends: the run's own file, or for the byte tokenizer one whose
+id == byte value), and `swarm_export.json` (run, step and source peers). Nothing here imports
+transformers (not a dependency of swarm): the files are written as the plain JSON it reads.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from swarm.identity import Member
 from swarm.join import fetch_join, join_run
 from swarm.model import Stage
 from swarm.records import PeerRecord
+from swarm.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from swarm.wire import WireError, decode
 
 WEIGHTS = "model.safetensors"
@@ -79,9 +80,10 @@ def stage_name(name: str) -> str:
     return name.removeprefix("model.")
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """config.json of HF's LlamaConfig for this model. The rotary base is written both as the
-    older `rope_theta` and as transformers 5's `rope_parameters`, so either generation reads it."""
+def hf_config(cfg: ModelConfig, eos_id: int | None) -> dict:
+    """config.json of HF's LlamaConfig for this model, whose tokenizer ends documents with `eos_id`.
+    The rotary base is written both as the older `rope_theta` and as transformers 5's
+    `rope_parameters`, so either generation reads it."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -104,10 +106,10 @@ def hf_config(cfg: ModelConfig) -> dict:
         "initializer_range": 0.02,
         "pretraining_tp": 1,
         "use_cache": True,
-        # The byte tokenizer has no special tokens; LlamaConfig's defaults (1 and 2) would make two
-        # control bytes stop generation.
+        # Only the tokenizer's own: LlamaConfig's defaults (1 and 2) would make two control bytes of
+        # the byte tokenizer stop generation.
         "bos_token_id": None,
-        "eos_token_id": None,
+        "eos_token_id": eos_id,
         "pad_token_id": None,
         "torch_dtype": "float32",  # the master weights; cfg.dtype is the compute precision
         "dtype": "float32",
@@ -164,8 +166,8 @@ def model_config_of(hf: dict, source: str = "config.json") -> ModelConfig:
 def byte_characters() -> list[str]:
     """The character that stands for each byte in byte-level BPE (GPT-2's `bytes_to_unicode`, which
     the `tokenizers` ByteLevel pre-tokenizer and decoder use): printable bytes stand for themselves,
-    the others for the characters from U+0100 on, in order. Written out because `tokenizers` is not
-    a dependency."""
+    the others for the characters from U+0100 on, in order. Written out because `tokenizers` lists
+    that alphabet unordered."""
     printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
     chars, shifted = [], 0
     for b in range(256):
@@ -177,12 +179,34 @@ def byte_characters() -> list[str]:
     return chars
 
 
-def tokenizer_files(cfg: ModelConfig) -> dict[str, dict]:
-    """swarm.data.ByteTokenizer in the `tokenizers` format: a BPE model whose vocabulary is the 256
-    byte characters and which has no merges, behind a ByteLevel pre-tokenizer without regex split or
-    prefix space, so a text's ids are exactly its UTF-8 bytes; the ByteLevel decoder maps them back."""
+def tokenizer_files(cfg: ModelConfig, tok: Tokenizer) -> dict[str, dict | bytes]:
+    """The run's tokenizer as `AutoTokenizer` reads it: its tokenizer.json as it is, or for the byte
+    tokenizer `byte_tokenizer_json`; and a tokenizer_config.json naming its end-of-document token."""
+    eos = tok.eos_token
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.seq_len,
+        "clean_up_tokenization_spaces": False,  # would drop spaces before punctuation on decode
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "eos_token": eos,
+        "unk_token": None,
+        "pad_token": None,
+    }
+    return {
+        "tokenizer.json": tok.data if isinstance(tok, HFTokenizer) else byte_tokenizer_json(),
+        "tokenizer_config.json": config,
+        "special_tokens_map.json": {"eos_token": eos} if eos is not None else {},
+    }
+
+
+def byte_tokenizer_json() -> dict:
+    """swarm.tokenizer.ByteTokenizer in the `tokenizers` format: a BPE model whose vocabulary is the
+    256 byte characters and which has no merges, behind a ByteLevel pre-tokenizer without regex split
+    or prefix space, so a text's ids are exactly its UTF-8 bytes; the ByteLevel decoder maps them back."""
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    tokenizer = {
+    return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
@@ -204,18 +228,6 @@ def tokenizer_files(cfg: ModelConfig) -> dict[str, dict]:
             "merges": [],
         },
     }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": cfg.seq_len,
-        "clean_up_tokenization_spaces": False,  # would drop spaces before punctuation on decode
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "bos_token": None,
-        "eos_token": None,
-        "unk_token": None,
-        "pad_token": None,
-    }
-    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": {}}
 
 
 # -- reading the swarm -------------------------------------------------------------------------
@@ -397,17 +409,18 @@ def write_export(out: Path, run: RunConfig, stages: list[StageWeights], coordina
         "swarm_version": __version__,
         "config": run.model_dump(mode="json"),
     }
+    tok = load_tokenizer(run.data.tokenizer)
     documents = {
-        "config.json": hf_config(cfg),
+        "config.json": hf_config(cfg, tok.eos_id),
         "generation_config.json": {
             "do_sample": True,
             "temperature": 0.8,
             "top_k": 40,
             "bos_token_id": None,
-            "eos_token_id": None,
+            "eos_token_id": tok.eos_id,
             "pad_token_id": None,
         },
-        **tokenizer_files(cfg),
+        **tokenizer_files(cfg, tok),
         METADATA: meta,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -415,7 +428,8 @@ def write_export(out: Path, run: RunConfig, stages: list[StageWeights], coordina
     try:
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         for name, doc in documents.items():
-            (tmp / name).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+            raw = doc if isinstance(doc, bytes) else (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
+            (tmp / name).write_bytes(raw)
         size = (tmp / WEIGHTS).stat().st_size
         _move_into_place(tmp, out, force)
     finally:

@@ -17,6 +17,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from swarm.config import ModelConfig, RunConfig
 
@@ -119,8 +120,15 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self.embed_tokens(x)
+        # Only a forward that records a graph gains from recomputing: evaluation keeps nothing anyway.
+        recompute = self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled()
         for block in self.layers.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+            if recompute:
+                # Non-reentrant: the backward may run much later (the stage worker caches the graph), and
+                # the recompute runs under the autocast of the forward. The blocks draw no random numbers.
+                x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False, preserve_rng_state=False)
+            else:
+                x = block(x, self.rope_cos, self.rope_sin)
         if self.is_last:
             x = self.lm_head(self.norm(x))
         return x

@@ -21,10 +21,19 @@ def eval_due(step: int, steps: int, every: int) -> bool:
 
 
 class RunLog:
-    def __init__(self, steps: int, log_json: str | Path | None = None, desc: str = "train", out: TextIO | None = None):
+    def __init__(
+        self,
+        steps: int,
+        log_json: str | Path | None = None,
+        desc: str = "train",
+        out: TextIO | None = None,
+        log_windows: str | Path | None = None,
+    ):
+        """`log_windows`: one JSON line per trained microbatch to this file, naming its windows (`trained`)."""
         self.out = out or sys.stderr
         self.bar = tqdm(total=steps, desc=desc, unit="step", file=self.out, dynamic_ncols=True)
         self.json = open(log_json, "w") if log_json else None  # noqa: SIM115 (closed in close())
+        self.windows = open(log_windows, "w") if log_windows else None  # noqa: SIM115 (closed in close())
         self.start = time.perf_counter()
         self.tokens = 0
         self.records: list[dict] = []
@@ -53,6 +62,12 @@ class RunLog:
         self.bar.update(1)
         return record
 
+    def trained(self, step: int, ids: tuple[tuple[int, int], ...]) -> None:
+        """A microbatch of step `step` is trained: its windows, (shard index, window index) each."""
+        if self.windows:
+            self.windows.write(json.dumps({"step": step, "ids": ids}) + "\n")
+            self.windows.flush()
+
     def note(self, text: str) -> None:
         """A status line next to the bar (e.g. 'waiting for stage 1')."""
         self.bar.set_description_str(text)
@@ -60,8 +75,9 @@ class RunLog:
     def close(self, **facts) -> str:
         """Close the bar and the JSON file; print and return the summary."""
         self.bar.close()
-        if self.json:
-            self.json.close()
+        for f in (self.json, self.windows):
+            if f:
+                f.close()
         last = self.records[-1] if self.records else {}
         vals = [r["val_loss"] for r in self.records if "val_loss" in r]
         rows = {

@@ -49,12 +49,16 @@ Ready = TypeVar("Ready", PeerReady, CoordinatorReady)
 
 
 def write_ready(path: Path, ready: BaseModel) -> None:
-    """Write `ready` to `path` as JSON, atomically (temporary file + rename)."""
-    path = Path(path)
+    """Write `ready` to `path` as JSON, atomically."""
+    write_whole(Path(path), (ready.model_dump_json() + "\n").encode())
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically (temporary file + rename): a reader sees all of it or none."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(ready.model_dump_json() + "\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

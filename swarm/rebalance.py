@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from swarm.records import PeerRecord, SwarmView
@@ -120,13 +121,17 @@ class Steadiness:
         return fresh and now - self.since >= self.settle_s
 
 
-def should_move(view: SwarmView, me: PeerRecord, margin: float = 0.1) -> int | None:
+def should_move(
+    view: SwarmView, me: PeerRecord, margin: float = 0.1, allowed: Collection[int] | None = None
+) -> int | None:
     """`move_for` on what the DHT says: the peers that serve or are moving (`placements`), each
-    with its announced throughput."""
+    with its announced throughput. A target outside `allowed` (the stages this peer's device can
+    hold; None: all) is no move: the peer stays."""
     if not any(p.peer_id == me.peer_id and p.state == "online" for p in view.online(me.stage)):
         return None  # not online where we think we are: wait for the next refresh
     peers = placements(view)
     index = next((i for i, (pid, _, _) in enumerate(peers) if pid == me.peer_id), None)
     if index is None or peers[index][1] != me.stage:
         return None
-    return move_for([x for _, _, x in peers], [k for _, k, _ in peers], index, len(view.stages), margin)
+    target = move_for([x for _, _, x in peers], [k for _, k, _ in peers], index, len(view.stages), margin)
+    return target if target is None or allowed is None or target in allowed else None

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from benchmarks.rebalance import best_min_total, stage_totals
 from peer.averaging import NormExchange, ReplicaCheck, SwarmUpdater, clip_contribution, drop_grads, grads_finite
 from swarm.config import RunConfig, load_config
-from swarm.data import TokenStream
+from swarm.data import TrainStream
 from swarm.model import Stage, build_stages, lm_loss
 from swarm.records import (
     TTL_S,
@@ -57,10 +57,10 @@ def set_grad(module: torch.nn.Module, flat: torch.Tensor) -> None:
 def honest_gradients(peers: int) -> list[torch.Tensor]:
     """Stage 1's gradient of the tiny model on `peers` different micro-batches of real text."""
     first, last = build_stages(RUN)
-    data = TokenStream.from_config(RUN.data, RUN.model.seq_len, RUN.training.seed)
+    data = TrainStream.local(RUN.data, RUN.model.seq_len, RUN.training.seed)
     grads = []
-    for i in range(peers):
-        batch = data.microbatch(0, i, RUN.training.micro_batch)
+    for _ in range(peers):
+        batch = data.next_microbatch(RUN.training.micro_batch)
         last.zero_grad(set_to_none=True)
         lm_loss(last(first(batch.inputs).detach()), batch.targets).backward()
         grads.append(flat_grad(last))

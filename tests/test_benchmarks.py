@@ -29,11 +29,16 @@ TINY = {
         *("--freeze-at", "5", "--freeze-s", "2", "--timeout-s", "240", *LOGS),
     ],
     "coordinator": ["--stages", "2", "--peers", "10", "--requests", "5", "--timeout-s", "60", *LOGS],
+    "data": ["--gb", "0.01", "--files", "3", "--config", "configs/tiny.toml", "--steps", "2", "--warmup", "1"],
     "failover": ["--steps", "20", "--warmup-s", "3", "--settle-s", "2", "--window", "2", "--hold", "2", *LOGS],
     "fuzz": ["--cases", "30", *LOGS],
     "local": ["--config", "configs/tiny.toml", "--steps", "3", "--warmup", "1"],
     "pipeline": ["--config", "configs/tiny.toml", "--steps", "2", "--warmup", "1", "--codecs", "none,int8"],
+    "scale": [
+        *("--configs", "tiny", "--steps", "2", "--micro-batch", "2", "--global-batch", "4", "--inflight", "2", *LOGS)
+    ],
     "rebalance": ["--delays", "0,0.05", "--start", "0,0", "--period", "1", "--hold", "1", "--timeout-s", "90", *LOGS],
+    "trainers": ["--steps", "12", "--warmup", "1", "--delays", "0.005,0.01", "--timeout-s", "240", *LOGS],
     "verify": ["--steps", "3", "--repeat", "0", "--tail", "2", *LOGS],
     "wire": ["--reps", "2", "--warmup", "1", "--codecs", "bf16", "--modules", "noop", "--batch", "2"],
 }
@@ -47,7 +52,23 @@ def digest(path) -> str:
 
 
 # Longest first, so that two at a time finish about together.
-ORDER = ["verify", "failover", "chaos", "averaging", "rebalance", "pipeline", "coordinator", "fuzz", "wire", "local"]
+ORDER = [
+    *(
+        "verify",
+        "failover",
+        "chaos",
+        "averaging",
+        "trainers",
+        "rebalance",
+        "pipeline",
+        "scale",
+        "coordinator",
+        "fuzz",
+        "wire",
+    ),
+    "data",
+    "local",
+]
 
 
 def smoke_run(name: str, tmp) -> tuple[subprocess.CompletedProcess, object]:

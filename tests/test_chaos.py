@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from benchmarks.chaos import Plan, drive
 from swarm.config import load_config
-from swarm.data import TokenStream
+from swarm.data import TrainStream
 from tests.test_swarm import TINY
 
 
@@ -43,5 +43,6 @@ def test_training_survives_killed_peers_a_dead_coordinator_and_a_frozen_peer(tmp
 
     losses = [r["loss"] for r in out.records]
     print(f"loss {losses[0]:.3f} -> {out.final_train:.3f}; val {out.final_val}")
-    unigram = TokenStream.from_config(run.data, run.model.seq_len, run.training.seed).unigram_loss()
+    data = TrainStream.local(run.data, run.model.seq_len, run.training.seed)
+    unigram = data.unigram_loss()
     assert out.final_val is not None and out.final_val < unigram, (out.final_val, unigram)

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.config import load_config
+from swarm.join import fetch_join
 from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer
 from tests.processes import ROOT, group_members, member_dht, start_coordinator, wait_for_state
 
@@ -47,6 +48,17 @@ def test_join_returns_the_config_and_initial_peers(join: dict):
     assert join["config"] == load_config(TINY).model_dump()
     assert join["initial_peers"] and all(p.startswith("/ip4/") and "/p2p/" in p for p in join["initial_peers"])
     assert join["version"]
+
+
+def test_a_byte_tokenizer_run_serves_no_tokenizer_and_joiners_download_nothing(
+    coordinator: str, join: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert join["tokenizer_sha256"] is None
+    missing = httpx.get(f"{coordinator}/api/v1/tokenizer", timeout=5)
+    assert missing.status_code == 404 and "byte tokenizer" in missing.json()["detail"]
+    run, _ = fetch_join(coordinator)
+    assert run.data.tokenizer == "bytes" and not any(tmp_path.iterdir())
 
 
 def test_state_lists_announced_peers_and_trainers(coordinator: str, client_dht):

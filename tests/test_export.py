@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,42 +19,66 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarm.client import StageClient
 from swarm.config import load_config
-from swarm.data import ByteTokenizer
 from swarm.export import ExportError, export_swarm
 from swarm.generate import load_export
 from swarm.join import fetch_join, join_run
 from swarm.model import Stage
+from swarm.tokenizer import EOS, ByteTokenizer, train_tokenizer
 from swarm.wire import decode, encode
 from tests.conftest import run_cli
 from tests.processes import free_port, start_peer, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
 from tests.test_swarm import Swarm, peer_record
+from tests.test_tokenizer import documents, tokenizer_run
 
 STEPS = 3
 TEXT = "def main():\n    print('héllo, wörld ☃')  # SWARM\n"
 
 
+def train_and_export(swarm: Swarm, before_training: Callable[[], None] = lambda: None) -> None:
+    """Train `swarm` for STEPS steps with one peer per stage (the trainer then finishes, so the step
+    stays put) and export it with the command line (`swarm.out`, `swarm.export`)."""
+    swarm.add_peer("p0", 0)
+    swarm.add_peer("p1", 1)
+    swarm.wait_online(["p0", "p1"])
+    before_training()
+    swarm.train(steps=STEPS)
+    swarm.finish_training()
+    wait_for_state(
+        swarm.url, lambda s: all(peer_record(s, n)["optimizer_steps"] == STEPS for n in ("p0", "p1")), timeout=30
+    )
+    swarm.out = swarm.tmp / "model"
+    swarm.export = run_cli("export", "--coordinator", swarm.url, "--out", str(swarm.out), timeout=120)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A swarm after STEPS training steps (the trainer has finished, so the step stays put), and its
-    export made with the command line."""
+    """A swarm of tiny.toml (the byte tokenizer) after STEPS training steps, and its export."""
     tmp = tmp_path_factory.mktemp("export")
     path, _ = config_with(tmp, FAST_AVERAGING)
     swarm = Swarm(tmp, path)
     try:
-        swarm.add_peer("p0", 0)
-        swarm.add_peer("p1", 1)
-        swarm.wait_online(["p0", "p1"])
-        swarm.train(steps=STEPS)
-        swarm.finish_training()
-        wait_for_state(
-            swarm.url, lambda s: all(peer_record(s, n)["optimizer_steps"] == STEPS for n in ("p0", "p1")), timeout=30
-        )
-        swarm.out = tmp / "model"
-        swarm.export = run_cli("export", "--coordinator", swarm.url, "--out", str(swarm.out), timeout=120)
+        train_and_export(swarm)
         yield swarm
     finally:
         swarm.close()
+
+
+@pytest.fixture(scope="module")
+def trained_bpe(tmp_path_factory):
+    """The same with a byte-level BPE of 400 tokens trained for the run. The trainer keeps its
+    tokenizers in a cache of its own, so the test sees that it fetched the run's."""
+    tmp = tmp_path_factory.mktemp("export-bpe")
+    config, swarm_tokenizer = tokenizer_run(tmp, extra=FAST_AVERAGING)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XDG_CACHE_HOME", str(tmp / "peers-cache"))
+        swarm = Swarm(tmp, config)
+        swarm.tokenizer = swarm_tokenizer
+        try:
+            train_and_export(swarm, lambda: env.setenv("XDG_CACHE_HOME", str(tmp / "trainer-cache")))
+            yield swarm
+        finally:
+            swarm.close()
 
 
 def swarm_logits(swarm: Swarm, ids: torch.Tensor) -> torch.Tensor:
@@ -124,7 +149,36 @@ def test_generate_prints_a_continuation(trained):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("def ") and len(done.stdout.encode()) > 40
-    assert "40 bytes in" in done.stderr
+    assert "40 tokens in" in done.stderr
+
+
+def test_a_run_with_a_trained_tokenizer_exports_it_and_generates_in_transformers(trained_bpe):
+    done = trained_bpe.export
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours, out = trained_bpe.tokenizer, trained_bpe.out
+    fetched = trained_bpe.tmp / "trainer-cache" / "swarm" / "tokenizers" / f"{ours.digest}.json"
+    assert fetched.read_bytes() == ours.data  # the trainer took the run's tokenizer from the coordinator
+    assert (out / "tokenizer.json").read_bytes() == ours.data
+
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (tok.eos_token, tok.eos_token_id) == (EOS, ours.eos_id)
+    ids = tok.encode(TEXT)
+    assert ids == ours.encode(TEXT).tolist() and tok.decode(ids) == TEXT
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert (model.config.vocab_size, model.config.eos_token_id) == (400, ours.eos_id)
+    swarm_model, run = load_export(out)
+    with torch.no_grad():
+        assert (swarm_model(torch.tensor([ids])) - model(torch.tensor([ids])).logits).abs().max().item() <= 1e-4
+    assert run.model.vocab_size == 400
+
+    prompt = tok("def ", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert generated.shape[1] > prompt["input_ids"].shape[1] and int(generated.max()) < 400
+    assert tok.decode(generated[0], skip_special_tokens=True).startswith("def ")
+
+    done = run_cli("generate", "--model", str(out), "--prompt", "def ", "--max-new-tokens", "12", "--threads", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("def ") and "vocabulary 400" in done.stderr and " tokens in " in done.stderr
 
 
 def test_exporting_again_replaces_the_previous_export_and_force_keeps_other_files(trained, tmp_path):
@@ -159,9 +213,14 @@ def test_bad_input_is_refused_with_a_message_naming_it(trained, tmp_path):
 
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / "config.json").write_text((trained.out / "config.json").read_text())
+    for name in ("config.json", "tokenizer.json"):
+        (broken / name).write_bytes((trained.out / name).read_bytes())
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        load_export(broken)
+
+    train_tokenizer(documents(), 300, broken / "tokenizer.json")  # not the model's vocabulary
+    with pytest.raises(ValueError, match=r"model.vocab_size: 256, but the tokenizer \(.*\) has 300 tokens"):
         load_export(broken)
 
 

@@ -77,10 +77,14 @@ def test_which_data_sections_name_local_files(data: dict, local: list[str]):
 class HostileCoordinator(BaseHTTPRequestHandler):
     """Answers /api/v1/join with a run whose id climbs out of the peers' checkpoint folder."""
 
-    def do_GET(self):  # noqa: N802 (the name http.server calls)
+    def body(self) -> bytes:
+        """The answer to a GET of self.path."""
         config = RunConfig().model_dump(exclude_none=True)
         config["run_id"] = ".."
-        body = json.dumps({"config": config, "initial_peers": []}).encode()
+        return json.dumps({"config": config, "initial_peers": []}).encode()
+
+    def do_GET(self):  # noqa: N802 (the name http.server calls)
+        body = self.body()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swarm.config import parse_config
-from swarm.data import TokenStream
+from swarm.data import TrainStream
 from swarm.model import Stage, lm_loss
 from swarm.trainer import StaticCaller, microbatch
 from swarm.wire import decode
@@ -73,8 +73,8 @@ def test_pipeline_matches_the_whole_model(tmp_path, stages, layers, cache_size):
     procs, addresses = start_pipeline(path, stages, tmp_path)
     try:
         pipe = StaticCaller(run, addresses)
-        data = TokenStream.from_config(run.data, run.model.seq_len, run.training.seed)
-        batch = data.microbatch(0, 0, run.training.micro_batch)
+        data = TrainStream.local(run.data, run.model.seq_len, run.training.seed)
+        batch = data.next_microbatch(run.training.micro_batch)
         loss = microbatch(pipe, batch, step=0, name="check")  # half a global batch: no optimizer step yet
 
         whole = Stage(run.with_stages(1), 0)
@@ -164,9 +164,9 @@ def test_worker_reports_itself(tmp_path):
     procs, addresses = start_pipeline(path, 2, tmp_path)
     try:
         pipe = StaticCaller(run, addresses)
-        data = TokenStream.from_config(run.data, run.model.seq_len, run.training.seed)
+        data = TrainStream.local(run.data, run.model.seq_len, run.training.seed)
         for i in range(run.training.accumulation):
-            microbatch(pipe, data.microbatch(0, i, run.training.micro_batch), 0, f"m{i}")
+            microbatch(pipe, data.next_microbatch(run.training.micro_batch), 0, f"m{i}")
         info = pipe.clients[1].info()
         assert (info.run_id, info.stage, info.num_stages, info.codec) == (run.run_id, 1, 2, "none")
         assert info.model_hash == run.model_hash()

@@ -36,8 +36,9 @@ def test_local_trainer_learns_the_embedded_corpus(tmp_path):
 def test_data_option_trains_on_the_given_files(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "a.txt").write_text("the cat sat on the mat. " * 2000)
-    (corpus / "b.md").write_text("the dog sat on the log. " * 2000)
+    # documents are paragraphs, and validation is one in twenty of them
+    (corpus / "a.txt").write_text("the cat sat on the mat.\n\n" * 2000)
+    (corpus / "b.md").write_text("the dog sat on the log.\n\n" * 2000)
     log = tmp_path / "log.jsonl"
     args = ["train", "--local", "--config", str(CONFIGS / "tiny.toml"), "--steps", "40", "--log-json", str(log)]
     result = run_cli(*args, "--data", str(corpus))

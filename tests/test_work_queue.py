@@ -9,12 +9,12 @@ from swarm.config import load_config
 from tests.conftest import CONFIGS
 
 
-def fwd(b: int, t: int = 16, train: bool = False) -> ForwardWork:
-    return ForwardWork(torch.zeros(b, t, 8), None, train, 0.0, "f", 0)
+def fwd(b: int, t: int = 16, train: bool = False, step: int = 0) -> ForwardWork:
+    return ForwardWork(torch.zeros(b, t, 8), None, train, 0.0, "f", step)
 
 
-def bwd(b: int, t: int = 16) -> BackwardWork:
-    return BackwardWork(torch.zeros(b, t, 8), torch.zeros(b, t, 8), "b", 0, (b, t, 8))
+def bwd(b: int, t: int = 16, step: int = 0) -> BackwardWork:
+    return BackwardWork(torch.zeros(b, t, 8), torch.zeros(b, t, 8), "b", step, (b, t, 8))
 
 
 def put(q: WorkQueue, work, seq: int) -> Task:
@@ -43,6 +43,29 @@ def test_concurrent_requests_are_batched_up_to_the_token_budget():
     assert batch == tasks[:3]  # 96 tokens fit, a fourth would not
     kind, batch = q.take(budget=100)
     assert batch == tasks[3:]
+
+
+def test_gradient_work_is_batched_up_to_the_room_left_in_the_global_batch():
+    # Two trainers' backwards at once: a batch that took them all would carry the stage past its global
+    # batch, and its step n would no longer hold the samples the other stages' step n holds.
+    q = WorkQueue()
+    tasks = [put(q, bwd(8), i) for i in range(4)]
+    assert q.take(budget=10_000, room=16)[1] == tasks[:2]
+    assert q.take(budget=10_000, room=4)[1] == tasks[2:3]  # the first task is taken whatever its size
+    forwards = [put(q, fwd(8), i) for i in range(4, 7)]  # evaluation work adds no gradient: no room to keep
+    assert q.take(budget=10_000, room=8)[1] == [tasks[3]]
+    assert q.take(budget=10_000, room=8)[1] == forwards
+
+
+def test_while_a_step_waits_only_work_of_the_steps_taken_is_taken():
+    # The stage is taking step 5 (its weights hold 4 steps): work that names step 5 needs that step.
+    q = WorkQueue()
+    later = put(q, bwd(8, step=5), 0)
+    earlier = [put(q, fwd(8, step=s), i) for i, s in ((1, 4), (2, 3), (3, 5))]
+    assert q.take(budget=10_000, upto=4)[1] == earlier[:2]  # the backward lane begins with step 5
+    assert q.take(budget=10_000, timeout=0.01, upto=4) is None
+    assert q.take(budget=10_000)[1] == [later]
+    assert q.take(budget=10_000)[1] == [earlier[2]]
 
 
 def test_requests_of_another_shape_or_mode_are_not_mixed():

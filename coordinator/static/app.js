@@ -28,6 +28,7 @@ const dash = {
   eventsMissing: false,
   eventsRetryAt: 0,
   invitesRetryAt: 0,
+  dataRetryAt: 0,
   lastUpdate: null, // Date.now() of the last /api/v1/state that answered
   reachable: null,
   viewAge: 0,
@@ -133,6 +134,17 @@ async function pollInvites() {
   }
 }
 
+async function pollData() {
+  if (Date.now() < dash.dataRetryAt) return;
+  try {
+    const c = (await getJSON("api/v1/data")).count;
+    $("data-shards").textContent = `epoch ${c.epoch}: ${c.done} done, ${c.leased} leased, ${c.free} free`;
+  } catch (err) {
+    // A coordinator that cannot list the run's data leases no shards: every trainer reads them all.
+    if (err instanceof NotFound) dash.dataRetryAt = Date.now() + MISSING_RETRY_MS;
+  }
+}
+
 function resetRun() {
   dash.points = [];
   dash.lastPointT = null;
@@ -144,7 +156,7 @@ function resetRun() {
 
 async function tick() {
   const started = Date.now();
-  await Promise.allSettled([pollState(), pollHistory(), pollEvents(), pollInvites()]);
+  await Promise.allSettled([pollState(), pollHistory(), pollEvents(), pollInvites(), pollData()]);
   setTimeout(tick, Math.max(0, POLL_MS - (Date.now() - started)));
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from swarm.config import RunConfig
-from swarm.data import TokenStream
+from swarm.data import TrainStream
 from swarm.device import autocast, device_name, resolve_device
 from swarm.model import Stage, lm_loss
 from swarm.optim import make_optimizer, param_groups
@@ -34,7 +34,7 @@ def train_local(run: RunConfig, steps: int, device: str | None = None, log_json=
     run = run.with_stages(1) if run.stages.count != 1 else run
     t = run.training
     torch.manual_seed(t.seed)
-    data = TokenStream.from_config(run.data, run.model.seq_len, t.seed)
+    data = TrainStream.local(run.data, run.model.seq_len, t.seed)
     val = data.val_batches(t.eval_batches, t.micro_batch)
     model = Stage(run, 0).to(dev)
     opt = make_optimizer(param_groups(model, t.weight_decay), run)
@@ -49,11 +49,12 @@ def train_local(run: RunConfig, steps: int, device: str | None = None, log_json=
         for group in opt.param_groups:
             group["lr"] = lr
         loss_sum = 0.0
-        for micro in range(t.accumulation):
-            b = data.microbatch(step, micro, t.micro_batch)
+        for _ in range(t.accumulation):
+            b = data.next_microbatch(t.micro_batch)
             with autocast(dev, run.model.dtype):
                 loss = lm_loss(model(b.inputs.to(dev, non_blocking=True)), b.targets.to(dev, non_blocking=True))
             scaler.scale(loss / t.accumulation).backward()
+            data.trained(b)
             loss_sum += loss.item()
         scaler.step(opt)  # unscales, then the optimizer clips
         scaler.update()

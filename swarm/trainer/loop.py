@@ -6,26 +6,58 @@ input as the bytes it received, so a Backward call resends them as they were and
 ever decoded or re-encoded here. K microbatches are in flight at once, so all stages work at the
 same time. Workers take their optimizer step every global batch of samples; the trainer finishes a
 global batch before it starts the next.
+
+Steps are the swarm's: every answer says the step its stage reached (`stage_step`), and the trainer
+names in its next microbatches the step all stages reached (`StageSteps`). Alone, that is its own
+step + 1, so each of its global batches is one optimizer step; beside other trainers, whose samples
+the stages count too, it jumps to the swarm's step rather than wait for steps the others complete
+(peer/stepper.py). Its records' steps thus increase, by one or more; `samples` says how many
+samples it trained itself.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from swarm.config import RunConfig
-from swarm.data import Batch, TokenStream
+from swarm.data import Batch, DataExhausted, LocalShards, ShardSource, TrainStream, shards
 from swarm.progress import RunLog, eval_due
 from swarm.rpc import pb
+from swarm.tokenizer import load_tokenizer
 from swarm.trainer.caller import StageCaller
 from swarm.wire import encode
 
 PAUSE_CHECK_S = 1.0  # while the operator keeps the run paused, look again this often
 
 
-def microbatch(caller: StageCaller, batch: Batch, step: int, name: str, train: bool = True) -> float:
-    """Forward (and, when training, backward) one microbatch through every stage; its loss."""
+class StageSteps:
+    """The global step each stage said it reached (`stage_step`) in its answers to one step's
+    microbatches, the highest; from them, the step of the trainer's next microbatches."""
+
+    def __init__(self, stages: int):
+        self.reached = [0] * stages
+        self.lock = threading.Lock()  # the microbatches' threads answer at once
+
+    def heard(self, stage: int, response: pb.ForwardResponse | pb.BackwardResponse) -> None:
+        with self.lock:
+            self.reached[stage] = max(self.reached[stage], response.stage_step)
+
+    def next_step(self, step: int) -> int:
+        """The step after `step`: the one every stage reached with the samples it served, which is
+        `step` + 1 when this trainer's samples were all the stages counted, and more when other
+        trainers' samples took them further (never less: a peer too old to say counts as 0)."""
+        return max(step + 1, min(self.reached))
+
+
+def microbatch(
+    caller: StageCaller, batch: Batch, step: int, name: str, train: bool = True, steps: StageSteps | None = None
+) -> float:
+    """Forward (and, when training, backward) one microbatch through every stage; its loss. `steps`:
+    told each stage's answers."""
+    heard = steps.heard if steps is not None else lambda k, response: None
     mb_id = f"{caller.trace}-{name}"
     last = caller.run.stages.count - 1
     samples = batch.inputs.shape[0]
@@ -35,6 +67,7 @@ def microbatch(caller: StageCaller, batch: Batch, step: int, name: str, train: b
         out, peer = caller.forward(
             k, samples, name, train, lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t)
         )
+        heard(k, out)
         inputs.append(out.output)
         served_by.append(peer)
     scale = samples / caller.run.training.global_batch
@@ -46,6 +79,7 @@ def microbatch(caller: StageCaller, batch: Batch, step: int, name: str, train: b
         train,
         lambda c, t: c.forward(last, inputs[last], mb_id, step, targets=targets, train=t, loss_scale=scale),
     )
+    heard(last, out)
     if train:
         grad = out.input_grad
         for k in range(last - 1, -1, -1):
@@ -53,8 +87,24 @@ def microbatch(caller: StageCaller, batch: Batch, step: int, name: str, train: b
             back, _ = caller.call(
                 k, samples, lambda c, k=k, g=grad: c.backward(k, inputs[k], g, mb_id, step), prefer=served_by[k]
             )
+            heard(k, back)
             grad = back.input_grad
     return out.loss
+
+
+def draw(data: TrainStream, count: int, size: int) -> list[Batch]:
+    """The step's `count` microbatches of `size`; fewer when the stream runs dry mid-step: a trainer
+    that leases its shards may have drawn every window of the shards it holds, and it gets the next
+    one only once those are trained (the rest of its epoch is leased to other trainers)."""
+    batches: list[Batch] = []
+    for _ in range(count):
+        try:
+            batches.append(data.next_microbatch(size))
+        except DataExhausted:
+            if not batches:
+                raise
+            break
+    return batches
 
 
 def run_training(
@@ -65,53 +115,67 @@ def run_training(
     inflight: int,
     start: int = 0,
     on_step: Callable[[dict], None] | None = None,
+    source: ShardSource | None = None,
 ) -> list[dict]:
     """Train through `caller`, reporting to `progress`: one global batch per step, `inflight`
     microbatches at once; closes `caller` at the end. `on_step`: told each step's record too.
+    `source`: where the shards come from (None: this trainer reads them all, LocalShards).
 
     While the operator keeps the run paused, no new step starts (the one in flight finishes).
-    Steps are global: the loop runs steps start .. start + steps - 1 (a trainer joining a swarm
-    starts at the swarm's step), and data order follows the global step. A validation pass after
-    step s asks for the weights after s + 1 steps."""
+    Steps are global: the loop trains `steps` global batches, the first at step `start` (a trainer
+    joining a swarm starts at the swarm's step), each next one at the step the stages reached
+    (`StageSteps`; alone: start .. start + steps - 1). Each microbatch's windows are reported
+    trained to the data stream once its backward has come back. A validation pass after a step asks
+    for the weights of the next one."""
     t = run.training
-    data = TokenStream.from_config(run.data, run.model.seq_len, t.seed)
+    source = source if source is not None else LocalShards(shards(run.data), t.seed)
+    data = TrainStream(run.data, run.model.seq_len, t.seed, load_tokenizer(run.data.tokenizer), source)
     val = data.val_batches(t.eval_batches, t.micro_batch)
     desc = progress.bar.desc  # the bar's own description, shown again when a pause ends
     pool = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="microbatch")
-    tokens_per_step = t.global_batch * run.model.seq_len
-    done = 0
+    done = samples = 0
+    step = start
     try:
         for i in range(steps):
-            step = start + i
             if caller.paused():
                 progress.note("paused by the operator")
                 while caller.paused():
                     time.sleep(PAUSE_CHECK_S)
                 progress.note(desc)
+            batches = draw(data, t.accumulation, t.micro_batch)
+            reached = StageSteps(run.stages.count)
             jobs = [
-                pool.submit(microbatch, caller, data.microbatch(step, i, t.micro_batch), step, f"{step}.{i}")
-                for i in range(t.accumulation)
+                pool.submit(microbatch, caller, b, step, f"{step}.{j}", steps=reached) for j, b in enumerate(batches)
             ]
-            loss = sum(j.result() for j in jobs) / len(jobs)
+            losses = []
+            for batch, job in zip(batches, jobs, strict=True):
+                losses.append(job.result())
+                data.trained(batch)
+                progress.trained(step, batch.ids)
+            loss = sum(losses) / len(losses)
             done += len(jobs)
+            samples += sum(b.inputs.shape[0] for b in batches)
+            following = reached.next_step(step)
             val_loss = None
             if eval_due(i, steps, t.eval_every):
                 jobs = [
-                    pool.submit(microbatch, caller, b, step + 1, f"val{step}.{j}", False) for j, b in enumerate(val)
+                    pool.submit(microbatch, caller, b, following, f"val{step}.{j}", False) for j, b in enumerate(val)
                 ]
                 val_loss = sum(j.result() for j in jobs) / len(jobs)
             record = progress.step(
                 step,
                 loss,
-                tokens_per_step,
+                sum(b.inputs.numel() for b in batches),
                 val_loss,
                 wire_bytes=caller.bytes_on_wire(),
                 microbatches=done,
+                samples=samples,
                 failures=caller.failures,
                 **caller.counts(),
             )
             if on_step:
                 on_step(record)
+            step = following
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         wire = caller.bytes_on_wire()

@@ -13,6 +13,7 @@ class TrainerOptions:
     steps: int | None = None  # optimizer steps; None: the run's training.steps
     inflight: int = 4  # microbatches in flight at once
     log_json: str | None = None  # one JSON object per optimizer step to this file
+    log_windows: str | None = None  # one JSON line per trained microbatch, naming its windows (tests, benchmarks)
     device: str | None = None  # --local: None for auto
     data: str | None = None  # text files to train on instead of the run's data section
     # --coordinator: read the local files the coordinator's run config names (else such a config is refused)

@@ -84,5 +84,6 @@ def train_pipeline(run: RunConfig, addresses: list[str], opts: TrainerOptions) -
     """Train through the workers at `addresses` (one per stage, in stage order); the per-step records."""
     caller = StaticCaller(run, addresses, join_token=opts.join_token)
     steps = opts.steps or run.training.steps
-    progress = RunLog(steps, opts.log_json, desc=f"train ({run.stages.count} stages, {opts.inflight} in flight)")
+    desc = f"train ({run.stages.count} stages, {opts.inflight} in flight)"
+    progress = RunLog(steps, opts.log_json, desc=desc, log_windows=opts.log_windows)
     return run_training(run, caller, progress, steps, opts.inflight)

@@ -18,11 +18,13 @@ import grpc
 
 from swarm.client import StageClient, deadline
 from swarm.config import ConfigError, RunConfig
+from swarm.data import shards
 from swarm.identity import Member
 from swarm.join import join_dht
 from swarm.progress import RunLog
 from swarm.rpc import pb
 from swarm.trainer.caller import ForwardSend, T, event
+from swarm.trainer.leases import CoordinatorShards
 from swarm.trainer.loop import run_training
 from swarm.trainer.membership import Membership
 from swarm.trainer.options import TrainerOptions
@@ -184,7 +186,9 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
     """Train through the swarm of the run at `coordinator`; the per-step records. `opts.data`: text
     files to train on instead of the run's own data section (the run's model, schedule and batches
     stay the coordinator's); `opts.verify_fraction`: the share of forward calls spot-checked, instead
-    of the run's `verify.fraction`."""
+    of the run's `verify.fraction`. The trainer leases the run's shards from the coordinator, so that
+    trainers of one run read disjoint shards; with `opts.data` (its own files), or from a coordinator
+    that leases none, it reads every shard itself."""
 
     def own_files_only(run: RunConfig) -> None:
         # The coordinator chooses the run, not what this machine reads and sends to stage-0 peers.
@@ -205,18 +209,30 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
     v = run.verify
     spot = SpotChecks(run.stages.count, v.fraction, v.strikes, v.first_checks, run.training.seed, v.ban_s)
     members = Membership(run, dht, initial_peers, spot)
+    source = None
     try:
+        if not opts.data and CoordinatorShards.offered(coordinator, opts.join_token):
+            source = CoordinatorShards(coordinator, shards(run.data), members.trainer_id, opts.join_token)
         steps = opts.steps or run.training.steps
         start = members.swarm_step()
         desc = f"train ({run.stages.count} stages via {coordinator}, {opts.inflight} in flight)"
         if start:
             desc += f" from step {start}"
-        progress = RunLog(steps, opts.log_json, desc=desc)
+        progress = RunLog(steps, opts.log_json, desc=desc, log_windows=opts.log_windows)
         calls = SwarmCaller(run, members, progress.note, member, opts.call_timeout)
         caller = SpotCheckCaller(calls, members, spot)
         return run_training(
-            run, caller, progress, steps, opts.inflight, start=start, on_step=lambda r: members.report(r, calls.bans)
+            run,
+            caller,
+            progress,
+            steps,
+            opts.inflight,
+            start=start,
+            on_step=lambda r: members.report(r, calls.bans),
+            source=source,
         )
     finally:
+        if source is not None:
+            source.close()
         member.stop()
         members.close()
