@@ -277,8 +277,8 @@ class NormExchange:
         deadline = t0 + self.timeout
         while True:
             shares = read_norm_shares(self.dht, self.run_id, self.step, self.stages)
+            self.waited = time.monotonic() - t0  # logged with the step
             if len(shares) == self.stages:
-                self.waited = time.monotonic() - t0
                 return math.sqrt(sum(shares.values()))
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.stages)) - set(shares))
