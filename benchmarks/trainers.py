@@ -7,7 +7,10 @@ trainer: one trainer keeps at most `accumulation` microbatches in flight, which 
 every stage (the last does forward and backward in one call) and backward through all but the last
 before its next step starts. With a delay of d per call on every stage but the last and 2d on the
 last, every peer is busy 2d per sample, and alone a trainer keeps each busy 1/S of its step (S
-stages): a second trainer has room (the ceiling is 2). Then `swarm train --coordinator URL --steps N`
+stages): a second trainer has room. The row's ceiling is what the delays allow, 1 / (the busiest
+peer's delay per sample: 2d, or 2d on the last stage), over one trainer's rate: how much room there
+was (with 2 stages the peers' delays alone fill their time at about 2x, so 1.8x needs them busy 90%
+of the time; with more stages there is more room). Then `swarm train --coordinator URL --steps N`
 once alone, and twice at once; the trainers lease disjoint shards from the coordinator
 (`--log-windows` names the windows each trained).
 
@@ -138,6 +141,10 @@ def run(args: argparse.Namespace) -> str:
         stop_all(procs)
     twice = trained_twice([tmp / "a.windows", tmp / "b.windows"])
     ratio = two / one
+    # Seconds of delay per sample on each peer: forward and backward on every stage but the last, one
+    # call on the last.
+    busy = [2 * d for d in delays[:-1]] + [delays[-1]]
+    ceiling = 1 / max(busy) / one if max(busy) > 0 else float("inf")
     print(f"ratio {ratio:.2f} (goal >= {GOAL}); windows trained twice by the pair: {twice}", flush=True)
     acc = cfg.training.accumulation
     return append_row(
@@ -150,7 +157,8 @@ def run(args: argparse.Namespace) -> str:
             f"{one:.1f}",
             f"{two:.1f}",
             f"{ratio:.2f}",
-            f"goal >= {GOAL}: {'met' if ratio >= GOAL else 'not met'}; one peer per stage, {acc} microbatches of "
+            f"goal >= {GOAL}: {'met' if ratio >= GOAL else 'not met'}; ceiling from the peers' delays "
+            f"{ceiling:.2f}x one trainer; one peer per stage, {acc} microbatches of "
             f"{cfg.training.micro_batch} per step, {args.inflight} in flight; rates after {args.warmup} steps of each "
             f"trainer ({one_s:.0f} s alone, {two_s:.0f} s together); windows trained twice: {twice}; eval off; "
             f"1 torch thread per peer; load avg {load_avg:.1f} at start",

@@ -67,6 +67,12 @@ def accumulates(work: ForwardWork | BackwardWork) -> bool:
     return isinstance(work, BackwardWork) or (work.train and work.targets is not None)
 
 
+def trains(work: ForwardWork | BackwardWork) -> bool:
+    """Training work (a backward, or a training forward), as opposed to evaluation and spot checks,
+    whose answers are compared with other peers' and need the exact weights of the step they name."""
+    return isinstance(work, BackwardWork) or work.train
+
+
 def resolve(future: Future, result=None, error: BaseException | None = None) -> None:
     """Hand a result to a caller that may have given up meanwhile (its future is then cancelled)."""
     try:
@@ -120,35 +126,48 @@ class WorkQueue:
         return sum(map(len, self.lanes.values()))
 
     def take(
-        self, budget: int, timeout: float = 0.5, room: int | None = None, upto: int | None = None
+        self,
+        budget: int,
+        timeout: float = 0.5,
+        room: int | None = None,
+        allow: Callable[[ForwardWork | BackwardWork], bool] | None = None,
     ) -> tuple[str, list[Task]] | None:
         """`budget`: tokens of a batch; `room`: samples of a batch of work that `accumulates` (the first
-        task is taken whatever its size); `upto`: only work for global step `upto` or earlier (work
-        for a later step stays queued, and None comes back when no lane begins with such work)."""
+        task is taken whatever its size; with no room, 0, such work stays queued); `allow`: only work
+        it accepts (the rest stays queued, in order, and does not hold up what may be taken). None comes
+        back when nothing queued may be taken."""
         with self.cond:
             if not self.cond.wait_for(lambda: len(self) or self.closed, timeout) or self.closed:
                 return None
-            lanes = [self.lanes[kind] for kind in ("backward", "forward")]
-            lanes = [lane for lane in lanes if lane and (upto is None or lane[0].work.step <= upto)]
-            if not lanes:
-                return None
-            lane = lanes[0]
-            kind = "backward" if lane is self.lanes["backward"] else "forward"
-            first = lane.popleft()
-            batch, tokens, samples = [first], first.tokens, first.samples
-            key = batch_key(first.work)
-            room = room if room is not None and accumulates(first.work) else None
-            # Take more of the same kind and shape while they fit the token budget (and the room).
-            while lane and batch_key(lane[0].work) == key and tokens + lane[0].tokens <= budget:
-                if room is not None and samples + lane[0].samples > room:
-                    break
-                if upto is not None and lane[0].work.step > upto:
-                    break
-                task = lane.popleft()
-                batch.append(task)
-                tokens += task.tokens
-                samples += task.samples
-            return kind, batch
+
+            def eligible(work: ForwardWork | BackwardWork) -> bool:
+                return (allow is None or allow(work)) and (room != 0 or not accumulates(work))
+
+            for kind in ("backward", "forward"):
+                lane = self.lanes[kind]
+                # The first task that may be taken: one that may not waits without holding up the rest.
+                at = next((i for i, task in enumerate(lane) if eligible(task.work)), None)
+                if at is None:
+                    continue
+                first = lane[at]
+                del lane[at]
+                batch, tokens, samples = [first], first.tokens, first.samples
+                key = batch_key(first.work)
+                limit = room if room is not None and accumulates(first.work) else None
+                # Take the ones right after it of the same kind and shape while they fit the token budget
+                # (and the room).
+                while at < len(lane) and batch_key(lane[at].work) == key and tokens + lane[at].tokens <= budget:
+                    if limit is not None and samples + lane[at].samples > limit:
+                        break
+                    if not eligible(lane[at].work):
+                        break
+                    task = lane[at]
+                    del lane[at]
+                    batch.append(task)
+                    tokens += task.tokens
+                    samples += task.samples
+                return kind, batch
+            return None
 
     def close(self) -> None:
         with self.cond:

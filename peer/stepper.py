@@ -24,10 +24,13 @@ The stages exchange gradient norms by step number (peer/averaging.py NormExchang
 step n to swallow two trainers' batches at once, stage 0's step n would wait for a norm that only
 comes after work stage 0 itself has to serve. While a step waits for the other stages' norms (the
 last stage finishes its batch a whole backward pass before the first), the compute thread serves
-the queued work that does not need the step (`stepping`, worker.py `_serve_aside`): work for the
-steps already taken, another trainer's or a check's; its gradients are set aside (`Aside`) and count
-toward the next step. One trainer alone sends no such work (its next requests name the step being
-taken), so its steps stay those of synchronous training.
+queued training work (`stepping`, worker.py `_serve_aside`), up to one global batch: work for the
+steps already taken (another trainer's), and work for the step being taken, on the weights before
+it: a gradient one step stale, as with hivemind's delayed parameter updates. Its gradients are set
+aside (`Aside`) and count toward the next step. Work that is checked against other peers' answers
+(evaluation, spot checks) needs the exact weights it names and waits for the step. One trainer alone
+sends its next requests only after the step's last backward, which the last stage to finish answers
+before it steps, so its steps stay those of synchronous training.
 
 Checkpoints (peer/checkpoint.py): right after an optimizer step, on the compute thread and under the
 lock that guards the weights, the stepper offers the stage's state to a `CheckpointWriter`, which
@@ -143,7 +146,8 @@ class Aside:
     """The gradients of work served while the stage's step waits (`Stepper.stepping`): they belong to
     the step after it, so they stay out of the buffers the step reads, until it is taken."""
 
-    def __init__(self):
+    def __init__(self, step: int):
+        self.step = step  # the global step being taken: the weights are still those before it
         self.grads: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.samples = 0
         self.ids: list[str] = []
@@ -205,12 +209,18 @@ class Stepper:
     def stage_step(self) -> int:
         """The global step this stage reaches with the samples it served: a step due is counted (it is
         taken before any later work: after the answers, or in the next request's catch-up)."""
-        return self.optimizer_steps + int(self.stepping is not None or self.updater.ready(self.samples_pending))
+        aside = self.stepping
+        if aside is not None:  # the step being taken counts, and the next once the work set aside fills it
+            return aside.step + int(aside.samples >= self.run.training.global_batch)
+        return self.optimizer_steps + int(self.updater.ready(self.samples_pending))
 
     def room(self) -> int:
-        """Samples the next batch of gradient work may hold without crossing the global batch (at least 1)."""
+        """Samples the next batch of gradient work may hold without crossing the global batch; 0 once
+        the batch is full (gradient work then waits for the step, or, while a step waits, for the
+        step after it: were one stage's step to hold more than the global batch, the stages' steps
+        would no longer hold the same samples, and their gradient norms would wait on each other)."""
         held = self.stepping.samples if self.stepping is not None else self.samples_pending
-        return max(1, self.run.training.global_batch - held)
+        return max(0, self.run.training.global_batch - held)
 
     def served(self, microbatch_ids: list[str], samples: int) -> None:
         """These microbatches' gradients were accumulated (set aside, while a step runs). Under the lock."""
@@ -320,7 +330,7 @@ class Stepper:
         """Take the stage's step, if the updater does. Under the lock (the work served while the step
         waits runs on the step's behalf, under the same hold: `stepping`)."""
         before = self.optimizer_steps
-        self.stepping = aside = Aside()
+        self.stepping = aside = Aside(before + 1)
         try:
             used = self.updater.step(self.samples_pending, force=force)
             if self.optimizer_steps == before:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from peer.checkpoint import Checkpoint, CheckpointWriter
 from peer.options import NO_FAULTS, Faults
-from peer.queue import Task, WorkQueue, accumulates, gave_up, resolve, still_waiting
+from peer.queue import Task, WorkQueue, accumulates, gave_up, resolve, still_waiting, trains
 from peer.requests import BackwardWork, CachedForward, ForwardWork, RequestError
 from peer.stepper import StagedGrads, Stepper, make_updater
 from swarm.config import RunConfig
@@ -194,9 +194,15 @@ class StageWorker:
     def _turn(self) -> None:
         """One round of the compute thread: a batch of work, or a look at the stage's step when idle."""
         # Gradient work stops at the global batch, so that the stages' steps line up (peer/stepper.py).
-        got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1, room=self.stepper.room())
+        room = self.stepper.room()
+        if room == 0:  # the global batch is full here: its step comes before more gradient work
+            self.stepper.maybe_step()
+            room = self.stepper.room()
+        got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.1, room=room)
         if got is None:
             self.stepper.maybe_step()  # the stage may have completed its batch on other peers
+            if len(self.queue):
+                time.sleep(0.01)  # what is queued waits for that step
             return
         kind, batch = got
         try:
@@ -210,14 +216,20 @@ class StageWorker:
     def _serve_aside(self) -> None:
         """Called by the stage's step while it waits for the other stages' gradient norms (peer/averaging.py
         NormExchange; on hivemind's optimizer thread, while the compute thread holds the lock and waits
-        for that step, so the batch runs without taking the lock again): serve one batch of the work
-        that does not need this step (work for the steps already taken: another trainer's, or a check),
-        its gradients set aside for the next step (peer/stepper.py Aside); else wait a moment. Without
-        it, a stage that finished its global batch would sit idle until the slowest stage finished
-        too, and a second trainer would add nothing."""
-        got = self.queue.take(
-            self.run.serve.max_batch_tokens, timeout=0.02, room=self.stepper.room(), upto=self.optimizer_steps
-        )
+        for that step, so the batch runs without taking the lock again): serve one batch of the training
+        work queued for the steps taken and the one being taken, on the weights before it, its gradients
+        set aside for the next step (peer/stepper.py Aside); else wait a moment. Without it, a stage that
+        finished its global batch would sit idle until the slowest stage finished too, and a second
+        trainer would add nothing. Work checked against other peers' answers waits for the step."""
+        aside = self.stepper.stepping
+        if aside is None:
+            time.sleep(0.02)
+            return
+
+        def allow(work: ForwardWork | BackwardWork) -> bool:
+            return work.step < aside.step or (work.step == aside.step and trains(work))
+
+        got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.02, room=self.stepper.room(), allow=allow)
         if got is None:
             time.sleep(0.02)
             return

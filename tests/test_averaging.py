@@ -4,6 +4,7 @@ rebalances close to the best assignment."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -16,6 +17,9 @@ from pydantic import ValidationError
 
 from benchmarks.rebalance import best_min_total, stage_totals
 from peer.averaging import NormExchange, ReplicaCheck, SwarmUpdater, clip_contribution, drop_grads, grads_finite
+from peer.options import Faults
+from peer.requests import ForwardWork
+from peer.worker import StageWorker
 from swarm.config import RunConfig, load_config
 from swarm.data import TrainStream
 from swarm.model import Stage, build_stages, lm_loss
@@ -30,6 +34,7 @@ from swarm.records import (
     norm_key,
     owned_subkey,
     publish_digest,
+    publish_norm_share,
     shutdown_dht,
     stage_norms,
     visible_maddrs,
@@ -251,6 +256,69 @@ def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_p
     loads = loads_within_a_step(a)
     assert any("differ from the other replicas" in n for n in caplog.messages), caplog.messages
     assert loads == 1, f"{loads} loads of the stage's state within one step"
+
+
+def test_while_a_step_waits_for_the_norms_one_global_batch_of_training_work_is_served(stage_one, tmp_path):
+    """A real worker of stage 1 (of 2) averaging through the DHT serves a global batch, and its step 0
+    waits for stage 0's gradient norm. Meanwhile two more global batches of training work arrive (two
+    trainers' worth, one naming step 0, one step 1) and a spot check of step 1. While the step waits
+    the worker serves one global batch of the training work, set aside for step 1, and no more: were
+    its step 1 to hold more samples than stage 0's, the stages' steps would wait on each other's norms
+    from then on. The check, compared with other peers' answers, needs step 1's weights: it waits for
+    the step. Each step holds exactly one global batch, in the order sent."""
+    run = stage_one.run
+    run = run.model_copy(update={"averaging": run.averaging.model_copy(update={"sync_timeout_s": 60.0})})
+    t = run.training
+    stage_one.node()  # the bootstrap node
+    stage0 = stage_one.node(stage=0)
+    steps_log = tmp_path / "steps.jsonl"
+    worker = StageWorker(run, 1, torch.device("cpu"), dht=stage_one.node(stage=1), faults=Faults(log_steps=steps_log))
+
+    def submit(name: str, step: int, train: bool = True):
+        x = torch.randn(t.micro_batch, 16, run.model.d_model)
+        y = torch.randint(0, run.model.vocab_size, (t.micro_batch, 16))
+        return worker.submit(ForwardWork(x, y, train, t.micro_batch / t.global_batch, name, step))
+
+    def norm_of_stage_0(step: int) -> None:
+        share = NormShare(peer_id=stage0.peer_id.to_base58(), stage=0, step=step, squared=1.0)
+        assert publish_norm_share(stage0, run.run_id, share, timeout=30)
+
+    def steps_taken() -> list[list[str]]:
+        lines = steps_log.read_text().splitlines() if steps_log.exists() else []
+        return [json.loads(line)["microbatches"] for line in lines]
+
+    def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    try:
+        n = t.accumulation  # microbatches of a global batch
+        for future in [submit(f"a{i}", 0) for i in range(n)]:
+            future.result(timeout=60)
+        until(lambda: worker.stepper.stepping is not None, "step 0 did not start")
+        check = submit("check", 1, train=False)
+        more = [submit(f"b{i}", 0) for i in range(n)] + [submit(f"c{i}", 1) for i in range(n)]
+        for future in more[:n]:
+            future.result(timeout=60)  # served while step 0 waits
+        time.sleep(1.0)
+        assert steps_taken() == [] and worker.stepper.stepping is not None
+        assert worker.stepper.stepping.samples == t.global_batch
+        assert not any(f.done() for f in more[n:]), "served past the global batch while the step waited"
+        assert not check.done(), "a spot check was answered on the weights before the step it names"
+        norm_of_stage_0(0)
+        check.result(timeout=60)
+        for future in more[n:]:
+            future.result(timeout=60)  # served while step 1 waits
+        until(lambda: len(steps_taken()) == 1, "step 0 was not taken")
+        norm_of_stage_0(1)
+        until(lambda: len(steps_taken()) == 2, "step 1 was not taken")
+        norm_of_stage_0(2)
+        until(lambda: len(steps_taken()) == 3, "step 2 was not taken")
+        assert steps_taken() == [[f"{x}{i}" for i in range(n)] for x in "abc"]
+    finally:
+        worker.close()
 
 
 def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority_digest(stage_one, caplog):

@@ -57,15 +57,25 @@ def test_gradient_work_is_batched_up_to_the_room_left_in_the_global_batch():
     assert q.take(budget=10_000, room=8)[1] == forwards
 
 
-def test_while_a_step_waits_only_work_of_the_steps_taken_is_taken():
-    # The stage is taking step 5 (its weights hold 4 steps): work that names step 5 needs that step.
+def test_only_work_allowed_is_taken_and_work_not_allowed_holds_up_nothing():
+    # E.g. work of the steps taken only: the backward lane holds step 5, the forward lane begins with it.
     q = WorkQueue()
     later = put(q, bwd(8, step=5), 0)
-    earlier = [put(q, fwd(8, step=s), i) for i, s in ((1, 4), (2, 3), (3, 5))]
-    assert q.take(budget=10_000, upto=4)[1] == earlier[:2]  # the backward lane begins with step 5
-    assert q.take(budget=10_000, timeout=0.01, upto=4) is None
+    forwards = [put(q, fwd(8, step=s), i) for i, s in ((1, 5), (2, 4), (3, 3))]
+    taken = lambda work: work.step <= 4  # noqa: E731
+    assert q.take(budget=10_000, allow=taken)[1] == forwards[1:]
+    assert q.take(budget=10_000, timeout=0.01, allow=taken) is None
     assert q.take(budget=10_000)[1] == [later]
-    assert q.take(budget=10_000)[1] == [earlier[2]]
+    assert q.take(budget=10_000)[1] == [forwards[0]]
+
+
+def test_with_the_global_batch_full_gradient_work_stays_queued():
+    q = WorkQueue()
+    backward = put(q, bwd(8), 0)
+    evaluation = put(q, fwd(8), 1)
+    assert q.take(budget=10_000, room=0)[1] == [evaluation]  # adds no gradient
+    assert q.take(budget=10_000, timeout=0.01, room=0) is None
+    assert q.take(budget=10_000, room=8)[1] == [backward]
 
 
 def test_requests_of_another_shape_or_mode_are_not_mixed():
