@@ -42,7 +42,7 @@ Documents = Callable[[], Iterator[str]]  # a fresh lazy pass over one shard's do
 @dataclass(frozen=True)
 class Shard:
     index: int  # its position in `shards(cfg)`
-    name: str  # a file path, "path:k/n" (the k-th of a file's n pieces), "embedded:i", "hf:i/n"
+    name: str  # a file's path under data.path, "path:k/n" (the k-th of its n pieces), "embedded:i", "hf:i/n"
 
 
 def shards(cfg: DataConfig) -> list[Shard]:
@@ -87,6 +87,10 @@ def _embedded_documents(keys: tuple[str, ...]) -> Iterator[str]:
 
 def _file_parts(path: str, field: str) -> list[tuple[str, Documents]]:
     files = _files(path)
+    root = Path(path)
+    # Shards are named relative to data.path, so that machines holding the data at different places
+    # agree on the names: the held-out split hashes them and the coordinator leases shards by them.
+    label = {f: (f.relative_to(root) if root.is_dir() else Path(f.name)).as_posix() for f in files}
     lined = [f for f in files if f.suffix.lower() != ".parquet"]
     total = sum(f.stat().st_size for f in lined)
     piece = min(max(total // TARGET_SHARDS, SHARD_BYTES_MIN), SHARD_BYTES_MAX)
@@ -94,12 +98,12 @@ def _file_parts(path: str, field: str) -> list[tuple[str, Documents]]:
     for f in files:
         suffix = f.suffix.lower()
         if suffix == ".parquet":
-            parts += _parquet_parts(f, field)
+            parts += _parquet_parts(f, label[f], field)
             continue
         read = partial(_jsonl_documents, field=field) if suffix == ".jsonl" else _text_documents
         ranges = _byte_ranges(f.stat().st_size, piece)
         for k, (start, end) in enumerate(ranges):
-            name = str(f) if len(ranges) == 1 else f"{f}:{k}/{len(ranges)}"
+            name = label[f] if len(ranges) == 1 else f"{label[f]}:{k}/{len(ranges)}"
             parts.append((name, partial(read, f, start, end)))
     return parts
 
@@ -187,7 +191,7 @@ def text_of(record: object, field: str, where: str) -> str:
     return text
 
 
-def _parquet_parts(path: Path, field: str) -> list[tuple[str, Documents]]:
+def _parquet_parts(path: Path, label: str, field: str) -> list[tuple[str, Documents]]:
     pa, pq = _pyarrow()
     try:
         meta = pq.ParquetFile(path)
@@ -200,7 +204,7 @@ def _parquet_parts(path: Path, field: str) -> list[tuple[str, Documents]]:
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ConfigError(f"data.text_field: column {field!r} of {path} holds {kind}, not text")
     n = meta.num_row_groups
-    return [(str(path) if n == 1 else f"{path}:{g}/{n}", partial(_parquet_documents, path, g, field)) for g in range(n)]
+    return [(label if n == 1 else f"{label}:{g}/{n}", partial(_parquet_documents, path, g, field)) for g in range(n)]
 
 
 def _parquet_documents(path: Path, group: int, field: str) -> Iterator[str]:

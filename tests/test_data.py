@@ -83,7 +83,7 @@ def test_text_files_and_folders_read_by_suffix(tmp_path):
     (tmp_path / "sub" / "b.md").write_text("# title\n\nbody")
     (tmp_path / "skip.bin").write_bytes(b"\x00\x01")
     cfg = DataConfig(source="files", path=str(tmp_path))
-    assert [s.name for s in shards(cfg)] == [str(tmp_path / "a.txt"), str(tmp_path / "sub" / "b.md")]
+    assert [s.name for s in shards(cfg)] == ["a.txt", "sub/b.md"]
     assert documents(cfg) == ["hello there\nsecond line", "world", "# title", "body"]
     assert documents(cfg.model_copy(update={"path": str(tmp_path / "sub" / "b.md")})) == ["# title", "body"]
 
@@ -95,7 +95,7 @@ def test_a_big_text_file_is_cut_into_byte_ranges_that_share_out_its_lines(tmp_pa
     path.write_text("\n\n".join(expected) + "\n\n" + long_line)
     cfg = DataConfig(source="files", path=str(path))
     names = [s.name for s in shards(cfg)]
-    assert len(names) == 7 and names[3] == f"{path}:3/7"  # 6.8 MB: in ranges of at least 1 MiB
+    assert len(names) == 7 and names[3] == "big.txt:3/7"  # 6.8 MB: in ranges of at least 1 MiB
     docs = documents(cfg)
     assert docs[: len(expected)] == expected
     assert "".join(docs[len(expected) :]) == long_line and all(len(d) <= DOC_BYTES for d in docs)
@@ -108,9 +108,7 @@ def test_jsonl_parquet_and_huggingface_streaming_sources(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": t, "n": i}) + "\n" for i, t in enumerate(texts)))
     pq.write_table(pa.table({"body": texts[:30]}), tmp_path / "b.parquet", row_group_size=10)
     cfg = DataConfig(source="files", path=str(tmp_path), text_field="body")
-    assert [s.name for s in shards(cfg)] == [str(tmp_path / "a.jsonl")] + [
-        f"{tmp_path / 'b.parquet'}:{g}/3" for g in range(3)
-    ]
+    assert [s.name for s in shards(cfg)] == ["a.jsonl"] + [f"b.parquet:{g}/3" for g in range(3)]
     assert documents(cfg) == texts + texts[:30]
 
     hf = DataConfig(source="huggingface", dataset="json", data_files=[str(tmp_path / "a.jsonl")] * 2, text_field="body")
@@ -189,6 +187,18 @@ def test_validation_is_the_same_in_every_call_process_and_seed():
     assert child.stdout.strip() == str([x.inputs.sum().item() for x in a])
 
 
+def test_the_same_files_under_another_folder_give_the_same_shards_and_validation(tmp_path):
+    for home in ("here", "there/deeper"):
+        (tmp_path / home / "sub").mkdir(parents=True)
+        (tmp_path / home / "sub" / "a.txt").write_text("\n\n".join(numbered(400)))
+    here, there = (DataConfig(source="files", path=str(tmp_path / home)) for home in ("here", "there/deeper"))
+    assert shards(here) == shards(there) == [Shard(0, "sub/a.txt")]
+    a, b = (TrainStream.local(cfg, 32, 0, TOK).val_batches(2, 4) for cfg in (here, there))
+    assert all(torch.equal(x.inputs, y.inputs) for x, y in zip(a, b, strict=True))
+    one_file = DataConfig(source="files", path=str(tmp_path / "here" / "sub" / "a.txt"))
+    assert shards(one_file) == [Shard(0, "a.txt")]
+
+
 def test_streaming_200_mb_keeps_memory_bounded(tmp_path):
     paragraph = (
         "a line of generated text that is about a hundred characters long, written for the test. " * 8 + "\n"
@@ -236,7 +246,7 @@ def test_bad_input_is_refused_with_what_was_wrong(tmp_path):
 
 def test_too_little_text_is_refused(tmp_path):
     (tmp_path / "a.txt").write_text("\n\n".join(numbered(40)))
-    cfg = DataConfig(source="files", path=str(tmp_path))
+    cfg = DataConfig(source="files", path=str(tmp_path), val_fraction=0.2)  # "a.txt": 5 of the 40 held out
     few = TrainStream.local(cfg, 64, 0, TOK)
     disjoint = few._first_windows(True, 32)
     assert 0 < len(disjoint) < 32  # fewer validation windows than asked: they overlap, evenly spaced
