@@ -1,17 +1,19 @@
 """`python -m benchmarks trainers`: one trainer vs two trainers on the same swarm, samples/s.
 
 A coordinator of the config (configs/tiny.toml, cut into `--stages` stages, 2 by default; the embedded
-corpus's 8 shards; eval off) and one peer per stage (`swarm peer --coordinator URL --stage K --threads 1
---delay-per-sample D_K`). The delays stand in for slow devices and leave the peers room for a second
-trainer: one trainer keeps at most `accumulation` microbatches in flight, which go forward through
-every stage (the last does forward and backward in one call) and backward through all but the last
-before its next step starts. With a delay of d per call on every stage but the last and 2d on the
-last, every peer is busy 2d per sample, and alone a trainer keeps each busy 1/S of its step (S
-stages): a second trainer has room. The row's ceiling is what the delays allow, 1 / (the busiest
-peer's delay per sample: 2d, or 2d on the last stage), over one trainer's rate: how much room there
-was (with 2 stages the peers' delays alone fill their time at about 2x, so 1.8x needs them busy 90%
-of the time; with more stages there is more room). Then `swarm train --coordinator URL --steps N`
-once alone, and twice at once; the trainers lease disjoint shards from the coordinator
+corpus's 8 shards; eval off) and `--replicas` peers per stage, one by default (`swarm peer
+--coordinator URL --stage K --threads 1 --delay-per-sample D_K`). The delays stand in for slow
+devices and leave the peers room for a second trainer: one trainer keeps at most `accumulation`
+microbatches in flight, which go forward through every stage (the last does forward and backward in
+one call) and backward through all but the last before its next step starts. With a delay of d per
+call on every stage but the last and 2d on the last, every peer is busy 2d per sample, and alone a
+trainer keeps each busy 1/S of its step (S stages): a second trainer has room. The row's ceiling is
+what the delays allow, replicas / (the busiest peer's delay per sample: 2d, or 2d on the last
+stage), over one trainer's rate: how much room there was (with 2 stages the peers' delays alone
+fill their time at about 2x, so 1.8x needs them busy 90% of the time; with more stages there is
+more room). It leaves out what each step costs besides the samples (the stages' norm exchange,
+averaging between replicas), which two trainers pay twice as often. Then `swarm train --coordinator
+URL --steps N` once alone, and twice at once; the trainers lease disjoint shards from the coordinator
 (`--log-windows` names the windows each trained).
 
 - samples/s of one trainer: (samples at its last step - samples at step `--warmup`) / the time between;
@@ -55,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--delays", default="0.05,0.1", help="seconds per sample added by the peer of each stage (stage 0 first)"
     )
+    p.add_argument("--replicas", type=int, default=1, help="peers per stage")
     p.add_argument("--inflight", type=int, default=4)
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up when a phase runs longer than this")
     p.add_argument("--log-dir", default=None, help="where the logs go (default: a new /tmp/swarm-trainers-* dir)")
@@ -123,9 +126,10 @@ def run(args: argparse.Namespace) -> str:
         procs.append(coordinator)
         peers = {}
         for k, delay in enumerate(delays):
-            name = f"p{k}"
-            peers[name] = start_peer(url, name, k, tmp, "--no-rebalance", "--delay-per-sample", str(delay))
-            procs.append(peers[name])
+            for r in range(args.replicas):
+                name = f"p{k}" + (f"r{r}" if args.replicas > 1 else "")
+                peers[name] = start_peer(url, name, k, tmp, "--no-rebalance", "--delay-per-sample", str(delay))
+                procs.append(peers[name])
         wait_online(url, peers)
 
         alone = {"solo": train(url, "solo", args.steps, args.inflight, tmp)}
@@ -144,7 +148,7 @@ def run(args: argparse.Namespace) -> str:
     # Seconds of delay per sample on each peer: forward and backward on every stage but the last, one
     # call on the last.
     busy = [2 * d for d in delays[:-1]] + [delays[-1]]
-    ceiling = 1 / max(busy) / one if max(busy) > 0 else float("inf")
+    ceiling = args.replicas / max(busy) / one if max(busy) > 0 else float("inf")
     print(f"ratio {ratio:.2f} (goal >= {GOAL}); windows trained twice by the pair: {twice}", flush=True)
     acc = cfg.training.accumulation
     return append_row(
@@ -158,7 +162,7 @@ def run(args: argparse.Namespace) -> str:
             f"{two:.1f}",
             f"{ratio:.2f}",
             f"goal >= {GOAL}: {'met' if ratio >= GOAL else 'not met'}; ceiling from the peers' delays "
-            f"{ceiling:.2f}x one trainer; one peer per stage, {acc} microbatches of "
+            f"{ceiling:.2f}x one trainer; {args.replicas} peer(s) per stage, {acc} microbatches of "
             f"{cfg.training.micro_batch} per step, {args.inflight} in flight; rates after {args.warmup} steps of each "
             f"trainer ({one_s:.0f} s alone, {two_s:.0f} s together); windows trained twice: {twice}; eval off; "
             f"1 torch thread per peer; load avg {load_avg:.1f} at start",

@@ -325,7 +325,8 @@ def run_peer(options: PeerOptions) -> int:
                 w = peer.worker
                 log.info(
                     f"peer {peer.name}: stage {peer.record.stage}, {w.samples_served} samples served, "
-                    f"{w.optimizer_steps} steps, {peer.record.throughput:.1f} samples/s, queue {peer.record.queue}"
+                    f"{w.optimizer_steps} steps, {peer.record.throughput:.1f} samples/s, queue {peer.record.queue}; "
+                    f"{w.time_use()}"
                 )
         log.info(f"peer {peer.name}: leaving")
         return 0
@@ -336,4 +337,8 @@ def run_peer(options: PeerOptions) -> int:
         member.stop()
         shutdown_dht(dht)
         if worker is not None:
-            print(f"peer stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps", flush=True)
+            print(
+                f"peer stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps "
+                f"({worker.time_use()})",
+                flush=True,
+            )

@@ -194,6 +194,7 @@ class Stepper:
         self.pending_ids: list[str] = []  # microbatches accumulated since the last step
         self.samples_served = 0  # samples whose gradients were accumulated
         self.samples_pending = 0  # ... since the last optimizer step
+        self.waited_s = 0.0  # time the compute thread spent in catch_up waiting for a step
         self._next_resync = 0.0
         self.skipped_steps: list[range] = []  # global steps whose gradients never reached this stage (catch_up)
         # While a step runs (it may wait for the other stages' gradient norms), the compute thread
@@ -255,7 +256,13 @@ class Stepper:
                 self._skip_to(step, "no live peer of the stage took them")
         if step != self.optimizer_steps + 1:
             return  # a stale trainer's gradient counts toward the current step, as in hivemind
-        deadline = time.monotonic() + self.run.averaging.sync_timeout_s
+        start = time.monotonic()
+        try:
+            self._wait_for(step, start + self.run.averaging.sync_timeout_s)
+        finally:
+            self.waited_s += time.monotonic() - start
+
+    def _wait_for(self, step: int, deadline: float) -> None:
         while self.optimizer_steps < step and not self.stopped():
             if self.updater.behind(self.samples_pending):
                 self.resync()

@@ -115,6 +115,7 @@ class StageWorker:
         self.stage.train()
         self.updater = make_updater(run, stage, self.stage, dht, idle=self._serve_aside)
         self.queue = WorkQueue()
+        self.busy_s = 0.0  # time the compute thread spent serving batches
         self.lock = threading.Lock()  # held while parameters or gradients change
         self.cache = ForwardCache(run.serve.cache_size if cache_size is None else cache_size)
         self.stepper = Stepper(
@@ -164,6 +165,10 @@ class StageWorker:
     def samples_served(self) -> int:
         """Samples whose gradients this worker accumulated."""
         return self.stepper.samples_served
+
+    def time_use(self) -> str:
+        """How the compute thread spent its time: serving work, and waiting for the stage's steps."""
+        return f"{self.busy_s:.1f} s serving, {self.stepper.waited_s:.1f} s waiting for steps"
 
     def claim_cached(self, microbatch_id: str) -> CachedForward | None:
         """Take this microbatch's recorded forward, if it is still here and still current."""
@@ -257,6 +262,7 @@ class StageWorker:
                 resolve(task.future, error=err)
             return
         samples = sum(t.samples for t in batch)
+        self.busy_s += time.perf_counter() - start
         self._measure(kind, batch, (time.perf_counter() - start) / samples)
         stage_step = self.stepper.stage_step
         for task, result in zip(batch, results, strict=True):

@@ -10,9 +10,9 @@ global batch before it starts the next.
 Steps are the swarm's: every answer says the step its stage reached (`stage_step`), and the trainer
 names in its next microbatches the step all stages reached (`StageSteps`). Alone, that is its own
 step + 1, so each of its global batches is one optimizer step; beside other trainers, whose samples
-the stages count too, it jumps to the swarm's step rather than wait for steps the others complete
-(peer/stepper.py). Its records' steps thus increase, by one or more; `samples` says how many
-samples it trained itself.
+the stages count too, it jumps to the swarm's step, and names the step before it so as not to wait
+for steps the others complete (`StageSteps.label`, peer/stepper.py). Its records' steps thus
+increase, by one or more; `samples` says how many samples it trained itself.
 """
 
 from __future__ import annotations
@@ -50,6 +50,16 @@ class StageSteps:
         `step` + 1 when this trainer's samples were all the stages counted, and more when other
         trainers' samples took them further (never less: a peer too old to say counts as 0)."""
         return max(step + 1, min(self.reached))
+
+    def label(self, step: int) -> int:
+        """The step to name in the microbatches of the step after `step` (`next_step`): that step
+        itself while this trainer's samples were all the stages counted (its global batches are then
+        the steps of synchronous training); when other trainers' samples took the stages further,
+        the step before, which every stage has taken or is taking with its batch complete, so that
+        no stage holds this trainer's work until the others' samples complete a step. Its gradients
+        are then up to a step stale, as with hivemind's delayed parameter updates."""
+        following = self.next_step(step)
+        return following if following == step + 1 else following - 1
 
 
 def microbatch(
@@ -134,7 +144,7 @@ def run_training(
     desc = progress.bar.desc  # the bar's own description, shown again when a pause ends
     pool = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="microbatch")
     done = samples = 0
-    step = start
+    step = label = start
     try:
         for i in range(steps):
             if caller.paused():
@@ -145,7 +155,7 @@ def run_training(
             batches = draw(data, t.accumulation, t.micro_batch)
             reached = StageSteps(run.stages.count)
             jobs = [
-                pool.submit(microbatch, caller, b, step, f"{step}.{j}", steps=reached) for j, b in enumerate(batches)
+                pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached) for j, b in enumerate(batches)
             ]
             losses = []
             for batch, job in zip(batches, jobs, strict=True):
@@ -155,7 +165,7 @@ def run_training(
             loss = sum(losses) / len(losses)
             done += len(jobs)
             samples += sum(b.inputs.shape[0] for b in batches)
-            following = reached.next_step(step)
+            following, label = reached.next_step(step), reached.label(step)
             val_loss = None
             if eval_due(i, steps, t.eval_every):
                 jobs = [
