@@ -21,6 +21,8 @@ class Faults:
     delay_per_sample: float = 0.0  # seconds added per sample served: a slower device
     # A dishonest peer: Gaussian noise of this scale (x the outputs' RMS) added to its forward outputs.
     corrupt_outputs: float = 0.0
+    # A hostile peer: every tensor it answers with is one token short ("shape") or all NaN ("nan").
+    malformed: str | None = None
     log_steps: Path | None = None  # one JSON line per optimizer step, naming the microbatches it applied
 
     def delay(self, samples: int) -> None:
@@ -41,6 +43,14 @@ class Faults:
         with torch.no_grad():
             noise = torch.randn_like(out) * (self.corrupt_outputs * out.float().pow(2).mean().sqrt())
         return out + noise
+
+    def answer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor this peer sends back in place of `tensor`."""
+        if self.malformed == "shape":
+            return tensor[:, :-1]
+        if self.malformed == "nan":
+            return torch.full_like(tensor, float("nan"))
+        return tensor
 
 
 NO_FAULTS = Faults()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from peer.options import NO_FAULTS, Faults
 from peer.service import start_server
 from peer.worker import StageWorker
 from swarm.config import ConfigError, RunConfig
@@ -31,11 +32,13 @@ def serve_stage(
     ready_file: Path | None = None,
     inflight: int | None = None,
     max_memory: int | None = None,
+    faults: Faults = NO_FAULTS,
 ) -> int:
     """`join_token`: every call must carry it (peer/auth.py); None: anyone may call. `ready_file`:
     where to say, once the server serves, at which address (swarm/ready.py). `inflight`: forward
     graphs kept for their backward (default `serve.cache_size`); the stage is refused (StageTooLarge)
-    when it needs more memory than the device has, or than `max_memory` bytes."""
+    when it needs more memory than the device has, or than `max_memory` bytes. `faults`: what a test
+    makes the worker do wrong (peer/options.py)."""
     if not 0 <= stage < run.stages.count:
         raise ConfigError(f"--stage: {stage} is not a stage of run {run.run_id!r} (0..{run.stages.count - 1})")
     if threads:
@@ -43,7 +46,7 @@ def serve_stage(
     dev = resolve_device(device)
     need = check_stage(run, stage, dev.type, peer_inflight(run, inflight), budget(dev, max_memory))
     log.info(need.describe())
-    worker = StageWorker(run, stage, dev, cache_size=inflight)
+    worker = StageWorker(run, stage, dev, faults=faults, cache_size=inflight)
     server, service, bound = start_server(worker, host, port, join_token=join_token)
     layers = run.stage_layers(stage)
     log.info(

@@ -109,10 +109,11 @@ class StageService:
         response = pb.ForwardResponse(
             loss=result.loss, queue_s=getattr(future, "queue_s", 0.0), stage_step=future.stage_step
         )
+        answer = self.worker.faults.answer
         if result.output is not None:
-            response.output.CopyFrom(encode(result.output, self.codec))
+            response.output.CopyFrom(encode(answer(result.output), self.codec))
         if result.input_grad is not None:
-            response.input_grad.CopyFrom(encode(result.input_grad, self.codec))
+            response.input_grad.CopyFrom(encode(answer(result.input_grad), self.codec))
         return response
 
     def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
@@ -121,7 +122,7 @@ class StageService:
         grad = self._wait(future, context)
         response = pb.BackwardResponse(queue_s=getattr(future, "queue_s", 0.0), stage_step=future.stage_step)
         if grad is not None:
-            response.input_grad.CopyFrom(encode(grad, self.codec))
+            response.input_grad.CopyFrom(encode(self.worker.faults.answer(grad), self.codec))
         return response
 
     def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import ssl
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,6 +82,18 @@ def data_path(text: str) -> str:
     return text
 
 
+@contextlib.contextmanager
+def run_failed_is_an_error() -> Iterator[None]:
+    """A trainer's `RunFailed` ends the command with its one line and exit status 1, no traceback."""
+    from swarm.trainer.caller import RunFailed
+
+    try:
+        yield
+    except RunFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from swarm.trainer.options import TrainerOptions
 
@@ -105,7 +119,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         from swarm.trainer.swarm import train_swarm
 
-        train_swarm(args.coordinator, opts)
+        with run_failed_is_an_error():
+            train_swarm(args.coordinator, opts)
         return 0
     if not args.config:
         raise ConfigError("swarm train: --config is required (or --coordinator URL, or $SWARM_COORDINATOR)")
@@ -125,7 +140,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             host, _, port = a.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--peers: {a!r} is not HOST:PORT")
-        train_pipeline(run, addresses, opts)
+        with run_failed_is_an_error():
+            train_pipeline(run, addresses, opts)
         return 0
     raise ConfigError("swarm train: choose where to train: --local (one process) or --peers ADDR0,ADDR1,...")
 
@@ -167,7 +183,10 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
         inflight=args.inflight,
         max_memory=args.max_memory,
         faults=Faults(
-            delay_per_sample=args.delay_per_sample, corrupt_outputs=args.corrupt_outputs, log_steps=args.log_steps
+            delay_per_sample=args.delay_per_sample,
+            corrupt_outputs=args.corrupt_outputs,
+            malformed=args.malformed,
+            log_steps=args.log_steps,
         ),
     )
 
@@ -219,6 +238,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         inflight=args.inflight,
         max_memory=args.max_memory,
+        faults=peer_options(args).faults,
     )
 
 
@@ -560,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--delay-per-sample", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
     peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--corrupt-outputs", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
+    peer.add_argument("--malformed", choices=("shape", "nan"), default=None, help=argparse.SUPPRESS)
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
     peer.add_argument("--dht-port", type=port_number, default=0, help="the DHT node's port (default: any free port)")

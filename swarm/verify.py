@@ -195,12 +195,22 @@ class SpotChecks:
             if odd is None:
                 return Verdict(agreed=agreed)
             peer = answers[odd][0]
-            state.passed[peer] = 0
-            state.strikes[peer] = state.strikes.get(peer, 0) + 1
-            banned = state.strikes[peer] >= self.strikes and peer not in self.banned
-            if banned:
-                self.banned[peer] = stage
-                self.bans += 1
-                if self.ban_s > 0:
-                    self.ban_ends[peer] = (time.monotonic() if now is None else now) + self.ban_s
-            return Verdict(agreed=False, odd=peer, banned=banned)
+            return Verdict(agreed=False, odd=peer, banned=self._strike(stage, peer, now))
+
+    def strike(self, stage: int, peer: str, now: float | None = None) -> bool:
+        """`peer` of `stage` gave an answer that cannot be used (swarm/trainer/swarm.py checks each):
+        a strike, as when outvoted; whether it is banned now."""
+        with self._lock:
+            return self._strike(stage, peer, now)
+
+    def _strike(self, stage: int, peer: str, now: float | None) -> bool:
+        state = self.stages[stage]
+        state.passed[peer] = 0
+        state.strikes[peer] = state.strikes.get(peer, 0) + 1
+        banned = state.strikes[peer] >= self.strikes and peer not in self.banned
+        if banned:
+            self.banned[peer] = stage
+            self.bans += 1
+            if self.ban_s > 0:
+                self.ban_ends[peer] = (time.monotonic() if now is None else now) + self.ban_s
+        return banned

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+import grpc
 from tqdm import tqdm
 
 from swarm.client import StageClient
@@ -19,6 +20,20 @@ from swarm.config import RunConfig
 from swarm.rpc import pb
 
 T = TypeVar("T")
+
+# Codes that say "this request is wrong", not "this peer is unwell": from every peer of a stage, the
+# trainer's own fault; from some, theirs.
+REQUEST_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED}
+
+# `check(answer)`: raises `swarm.wire.WireError` naming what is wrong with a peer's answer (a wrong
+# shape or dtype, NaN or Inf, bytes that do not decode) before the trainer uses it.
+Check = Callable[[T], None]
+
+
+class RunFailed(Exception):
+    """The run cannot go on, for a reason this trainer must fix (e.g. every peer of a stage refused its
+    request as malformed): one line for the operator, no traceback."""
+
 
 # `send(client, train)`: makes one forward call of a microbatch; a spot check sends it twice, once as
 # an evaluation forward (train=False).
@@ -35,14 +50,19 @@ class StageCaller(Protocol):
         ...
 
     def call(
-        self, stage: int, samples: int, fn: Callable[[StageClient], T], prefer: str | None = None
+        self,
+        stage: int,
+        samples: int,
+        fn: Callable[[StageClient], T],
+        prefer: str | None = None,
+        check: Check | None = None,
     ) -> tuple[T, str]:
         """Run `fn` against a worker of `stage` (`prefer`: this worker first, when it can); returns its
-        answer and which worker gave it."""
+        answer and which worker gave it. An answer that fails `check` is the worker's fault."""
         ...
 
     def forward(
-        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend
+        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend, check: Check | None = None
     ) -> tuple[pb.ForwardResponse, str]:
         """One forward call of microbatch `name` to `stage`; `send(client, train)` makes it."""
         ...

@@ -17,6 +17,7 @@ increase, by one or more; `samples` says how many samples it trained itself.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from swarm.progress import RunLog, eval_due
 from swarm.rpc import pb
 from swarm.tokenizer import load_tokenizer
 from swarm.trainer.caller import StageCaller
-from swarm.wire import encode
+from swarm.wire import WireError, encode, expect
 
 PAUSE_CHECK_S = 1.0  # while the operator keeps the run paused, look again this often
 
@@ -73,9 +74,25 @@ def microbatch(
     samples = batch.inputs.shape[0]
     inputs: list[pb.Tensor] = [encode(batch.inputs)]
     served_by: list[str] = []
+    # Every answer is checked before it is used or passed on (a bad one is blamed on the peer that
+    # gave it and asked of another): hidden states and gradients of the input's shape, finite.
+    hidden = (samples, batch.inputs.shape[1], caller.run.model.d_model)
+
+    def output_ok(out: pb.ForwardResponse) -> None:
+        expect(out.output, "output", hidden)
+
+    def loss_ok(out: pb.ForwardResponse) -> None:
+        if not math.isfinite(out.loss):
+            raise WireError(f"loss: {out.loss} is not finite")
+        if train and last > 0:
+            expect(out.input_grad, "input_grad", hidden)
+
+    def grad_ok(back: pb.BackwardResponse) -> None:
+        expect(back.input_grad, "input_grad", hidden)
+
     for k in range(last):
         out, peer = caller.forward(
-            k, samples, name, train, lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t)
+            k, samples, name, train, lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t), output_ok
         )
         heard(k, out)
         inputs.append(out.output)
@@ -88,6 +105,7 @@ def microbatch(
         name,
         train,
         lambda c, t: c.forward(last, inputs[last], mb_id, step, targets=targets, train=t, loss_scale=scale),
+        loss_ok,
     )
     heard(last, out)
     if train:
@@ -95,7 +113,11 @@ def microbatch(
         for k in range(last - 1, -1, -1):
             # The worker that ran the forward may still hold its graph: try it first.
             back, _ = caller.call(
-                k, samples, lambda c, k=k, g=grad: c.backward(k, inputs[k], g, mb_id, step), prefer=served_by[k]
+                k,
+                samples,
+                lambda c, k=k, g=grad: c.backward(k, inputs[k], g, mb_id, step),
+                prefer=served_by[k],
+                check=grad_ok if k > 0 else None,
             )
             heard(k, back)
             grad = back.input_grad

@@ -1,8 +1,8 @@
 """Training through a static pipeline: `swarm train --peers ADDR0,ADDR1,...`, one worker per stage.
 
 The workers are given by address, in stage order, and checked against the run config before the
-first call; every call of a stage goes to its one worker, and a failed call ends the run (there is
-no other worker to retry on).
+first call; every call of a stage goes to its one worker, and a failed call or a bad answer ends the
+run (there is no other worker to retry on).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from swarm.client import StageClient
 from swarm.config import ConfigError, RunConfig
 from swarm.progress import RunLog
 from swarm.rpc import pb
-from swarm.trainer.caller import ForwardSend, T
+from swarm.trainer.caller import REQUEST_FAULTS, Check, ForwardSend, RunFailed, T
 from swarm.trainer.loop import run_training
 from swarm.trainer.options import TrainerOptions
+from swarm.wire import WireError
 
 
 class StaticCaller:
@@ -57,14 +58,30 @@ class StaticCaller:
             raise ConfigError(f"--peers: {client.address}: " + "; ".join(problems))
 
     def call(
-        self, stage: int, samples: int, fn: Callable[[StageClient], T], prefer: str | None = None
+        self,
+        stage: int,
+        samples: int,
+        fn: Callable[[StageClient], T],
+        prefer: str | None = None,
+        check: Check | None = None,
     ) -> tuple[T, str]:
-        return fn(self.clients[stage]), str(stage)
+        client = self.clients[stage]
+        try:
+            answer = fn(client)
+            if check is not None:
+                check(answer)
+        except grpc.RpcError as err:
+            if err.code() in REQUEST_FAULTS:
+                raise RunFailed(f"stage {stage} worker {client.address} refused the request: {err.details()}") from None
+            raise
+        except WireError as err:
+            raise RunFailed(f"stage {stage} worker {client.address} gave a bad answer: {err}") from None
+        return answer, str(stage)
 
     def forward(
-        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend
+        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend, check: Check | None = None
     ) -> tuple[pb.ForwardResponse, str]:
-        return self.call(stage, samples, lambda c: send(c, train))
+        return self.call(stage, samples, lambda c: send(c, train), check=check)
 
     def paused(self) -> bool:
         return False  # a static pipeline has no operator

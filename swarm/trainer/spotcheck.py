@@ -14,7 +14,7 @@ import torch
 
 from swarm.client import StageClient
 from swarm.rpc import pb
-from swarm.trainer.caller import ForwardSend, T, event
+from swarm.trainer.caller import Check, ForwardSend, T, event
 from swarm.trainer.membership import Membership
 from swarm.verify import SpotChecks, tolerance
 from swarm.wire import decode
@@ -36,24 +36,30 @@ class SpotCheckCaller:
         return self.inner.failures
 
     def call(
-        self, stage: int, samples: int, fn: Callable[[StageClient], T], prefer: str | None = None
+        self,
+        stage: int,
+        samples: int,
+        fn: Callable[[StageClient], T],
+        prefer: str | None = None,
+        check: Check | None = None,
     ) -> tuple[T, str]:
-        return self.inner.call(stage, samples, fn, prefer=prefer)
+        return self.inner.call(stage, samples, fn, prefer=prefer, check=check)
 
     def forward(
-        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend
+        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend, check: Check | None = None
     ) -> tuple[pb.ForwardResponse, str]:
         peers = self.members.live(stage)
         if not train or not self.spot.due(stage, name, peers):
-            return self.inner.forward(stage, samples, name, train, send)
+            return self.inner.forward(stage, samples, name, train, send, check)
         call = self.inner.call
         # The check goes first, as an evaluation forward (no gradient): on the last stage the
         # training forward completes the microbatch's gradient, the stage may step right after it,
         # and an evaluation sent then could see the next step's weights.
-        check, checker = call(
+        second, checker = call(
             stage, samples, lambda c: send(c, False), prefer=self.spot.checker(stage, peers), timed=False
         )
-        out, peer = call(stage, samples, lambda c: send(c, True), avoid={checker})
+        # (The checker's answer is not checked here: a malformed one loses the comparison below.)
+        out, peer = call(stage, samples, lambda c: send(c, True), avoid={checker}, check=check)
         if peer == checker:  # no other peer could answer: nothing to compare
             return out, peer
         last = stage == self.run.stages.count - 1
@@ -73,13 +79,13 @@ class SpotCheckCaller:
             )
             return (who, _answer(third, last)) if who not in (peer, checker) else None
 
-        answers = [(peer, _answer(out, last)), (checker, _answer(check, last))]
+        answers = [(peer, _answer(out, last)), (checker, _answer(second, last))]
         verdict = self.spot.judge(stage, answers, rtol, arbiter)
         if verdict.banned:
             self.members.drop(stage, verdict.odd)
             event(f"spot check: banned peer {verdict.odd} of stage {stage} at microbatch {name}")
         if verdict.odd == peer and not last:
-            return check, checker  # pass the agreed hidden states on, not the outvoted ones
+            return second, checker  # pass the agreed hidden states on, not the outvoted ones
         return out, peer
 
     def paused(self) -> bool:

@@ -23,16 +23,14 @@ from swarm.identity import Member
 from swarm.join import join_dht
 from swarm.progress import RunLog
 from swarm.rpc import pb
-from swarm.trainer.caller import ForwardSend, T, event
+from swarm.trainer.caller import REQUEST_FAULTS, Check, ForwardSend, RunFailed, T, event
 from swarm.trainer.leases import CoordinatorShards
 from swarm.trainer.loop import run_training
 from swarm.trainer.membership import Membership
 from swarm.trainer.options import TrainerOptions
 from swarm.trainer.spotcheck import SpotCheckCaller
 from swarm.verify import SpotChecks
-
-# Codes that say "this request is wrong", not "this peer is unwell": retrying elsewhere won't help.
-REQUEST_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED}
+from swarm.wire import WireError
 
 # The shortest deadline a call gets, however fast its peer answered lately (Router.deadline; the longest
 # is --call-timeout), on top of the longest a stage may hold a call while it takes its optimizer step
@@ -77,6 +75,7 @@ class SwarmCaller:
         self._clients_lock = threading.Lock()
         self.failures = 0
         self.bans = 0  # failing peers banned (a peer that already left the routing is not banned)
+        self.bad_answers = 0  # answers that failed their check: blamed on the peer, retried elsewhere
 
     def client(self, peer: str, address: str) -> StageClient:
         """The client for `peer` at `address`: its channel checks that the server there is `peer`."""
@@ -100,10 +99,19 @@ class SwarmCaller:
         prefer: str | None = None,
         avoid: Collection[str] = (),
         timed: bool = True,
+        check: Check | None = None,
     ) -> tuple[T, str]:
         """`prefer`: try this peer first; `avoid`: these peers only when no other one is usable; `timed`:
-        the call's time tells the peer's training speed (False for a spot check's evaluation forward)."""
+        the call's time tells the peer's training speed (False for a spot check's evaluation forward);
+        `check`: raises on an answer that cannot be used.
+
+        Blame: a failed call, a timeout and an answer that fails `check` are the peer's fault: it is
+        banned and the call goes to another peer of the stage. A refusal of the request as malformed
+        (`REQUEST_FAULTS`) is the peer's fault too while other peers of the stage accept it (the
+        trainer checked what it sends: the input it got from the stage before passed `check`), and
+        the trainer's own once every live peer of the stage refused it: `RunFailed`."""
         tried: set[str] = set()
+        refused: dict[str, str] = {}  # peer -> why it refused this request
         waited, rounds = False, 0
         while True:
             with self.members.stage(stage) as (router, addresses):
@@ -137,17 +145,34 @@ class SwarmCaller:
             try:
                 with deadline(timeout):
                     response = fn(self.client(peer, address))
-            except grpc.RpcError as err:
-                if err.code() in REQUEST_FAULTS:
-                    raise
+                if check is not None:
+                    check(response)
+            except (grpc.RpcError, WireError) as err:
+                if isinstance(err, WireError):
+                    why = f"bad answer: {err}"
+                    self.bad_answers += 1
+                else:
+                    why = err.code().name
+                    if err.code() in REQUEST_FAULTS:
+                        refused[peer] = f"{why}: {err.details()}"
                 with self.members.stage(stage) as (router, _):
-                    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                         router.answered(peer, timeout)  # slower than thought: give it longer next time
                     ban = router.failed(peer, samples, time.monotonic(), started=start)
                     self.failures += 1  # under the membership's lock, which every stage shares
                     if ban > 0:
                         self.bans += 1
-                event(f"stage {stage} peer {peer[-8:]} failed ({err.code().name}); banned {ban:.0f} s")
+                    everyone_refused = refused and set(router.peers) <= set(refused)
+                if everyone_refused:
+                    raise RunFailed(
+                        f"every peer of stage {stage} refused this trainer's request ({refused[peer]})"
+                    ) from None
+                event(f"stage {stage} peer {peer[-8:]} failed ({why}); banned {ban:.0f} s")
+                # A bad answer is no accident (a live peer sent it): a strike, as when a spot check
+                # outvotes the peer, and after `verify.strikes` of them no calls until the ban ends.
+                if isinstance(err, WireError) and self.members.spot.strike(stage, peer):
+                    self.members.drop(stage, peer)
+                    event(f"bad answers: banned peer {peer} of stage {stage}")
                 tried.add(peer)
                 continue
             took = time.monotonic() - start
@@ -161,9 +186,9 @@ class SwarmCaller:
             return response, peer
 
     def forward(
-        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend
+        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend, check: Check | None = None
     ) -> tuple[pb.ForwardResponse, str]:
-        return self.call(stage, samples, lambda c: send(c, train))
+        return self.call(stage, samples, lambda c: send(c, train), check=check)
 
     def paused(self) -> bool:
         return self.members.paused()
@@ -173,7 +198,7 @@ class SwarmCaller:
             return sum(c.bytes_sent + c.bytes_received for c in self.clients.values())
 
     def counts(self) -> dict:
-        return {}
+        return {"bad_answers": self.bad_answers}
 
     def close(self) -> None:
         with self._clients_lock:

@@ -1,0 +1,62 @@
+"""Hostile insiders: peers that hold the run's join token and answer with tensors the trainer cannot
+use. Real processes: a coordinator, peers (one started with the test-only `--malformed` flag), a
+trainer. The trainer checks every answer before it uses it (swarm/trainer/loop.py): a bad one is
+blamed on the peer that gave it, the hop is redone on another peer of the stage, and after
+`verify.strikes` bad answers the peer is banned; the run completes every step."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.processes import start_peer, wait_for_state
+from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
+
+STEPS = 8
+STRIKES = 2  # tiny.toml leaves verify.strikes at its default
+
+
+@pytest.mark.parametrize("malformed", ["shape", "nan"])
+def test_a_peer_answering_malformed_tensors_is_banned_and_every_step_completes(tmp_path, malformed):
+    swarm = Swarm(tmp_path)
+    try:
+        swarm.add_peer("honest0", 0)
+        swarm.add_peer("hostile", 0, "--malformed", malformed)
+        swarm.add_peer("honest1", 1)
+        state = swarm.wait_online(["honest0", "hostile", "honest1"])
+        hostile = peer_record(state, "hostile")["peer_id"]
+        swarm.train(STEPS, 4, 20, "--verify-fraction", "0")  # no spot checks: the answer checks alone
+        records = swarm.finish_training()
+        out = swarm.trainer.output()
+        assert len(records) == STEPS and records[-1]["microbatches"] == STEPS * ACCUMULATION, out[-3000:]
+        assert records[-1]["loss"] < records[0]["loss"]
+        why = "shape" if malformed == "shape" else "contains NaN or Inf"
+        blamed = re.findall(rf"stage 0 peer (\S+) failed \(bad answer: output: [^)]*{why}", out)
+        assert blamed and set(blamed) == {hostile[-8:]}, out[-3000:]  # the honest peers never
+        assert f"bad answers: banned peer {hostile} of stage 0" in out, out[-3000:]
+        # Banned after its strikes: the calls already in flight to it (at most --inflight) can add to them.
+        assert STRIKES <= records[-1]["bad_answers"] <= STRIKES + 4, records[-1]
+        s = wait_for_state(swarm.url, lambda s: any(t.get("spot_banned") for t in s["trainers"]), timeout=15)
+        assert s["trainers"][0]["spot_banned"] == {hostile: 0}
+    finally:
+        swarm.close()
+
+
+def test_with_no_other_worker_to_ask_a_bad_answer_ends_the_run_with_one_line(tmp_path):
+    """A static pipeline (`--peers`) has one worker per stage: a bad answer cannot be asked of
+    another, and the run ends with one line naming the worker and what was wrong, no traceback."""
+    procs = []
+    try:
+        for k, extra in enumerate([("--malformed", "shape"), ()]):
+            proc, address = start_peer(TINY, k, tmp_path, *extra)
+            procs.append((proc, address))
+        peers = ",".join(address for _, address in procs)
+        result = run_cli("train", "--config", str(TINY), "--peers", peers, "--steps", "1")
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert f"error: stage 0 worker {procs[0][1]} gave a bad answer: output: shape [8, 127, 128]" in result.stderr
+        assert "Traceback" not in result.stderr
+    finally:
+        for proc, _ in procs:
+            proc.stop()
