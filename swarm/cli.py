@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import datetime
 import os
+import signal
 import ssl
 import sys
 from collections.abc import Iterator
@@ -96,6 +97,9 @@ def run_failed_is_an_error() -> Iterator[None]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from swarm.trainer.options import TrainerOptions
+
+    # SIGTERM stops a trainer as Ctrl-C does: its calls end, its DHT node and leases are let go.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     args.coordinator = coordinator_url(args.coordinator, bool(args.local or args.peers or args.config))
     opts = TrainerOptions(

@@ -30,6 +30,10 @@ REQUEST_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICA
 Check = Callable[[T], None]
 
 
+class CallerClosed(Exception):
+    """A call made after, or still going when, the caller was closed: the trainer is stopping."""
+
+
 class RunFailed(Exception):
     """The run cannot go on, for a reason this trainer must fix (e.g. every peer of a stage refused its
     request as malformed): one line for the operator, no traceback."""

@@ -23,7 +23,7 @@ from swarm.identity import Member
 from swarm.join import join_dht
 from swarm.progress import RunLog
 from swarm.rpc import pb
-from swarm.trainer.caller import REQUEST_FAULTS, Check, ForwardSend, RunFailed, T, event
+from swarm.trainer.caller import REQUEST_FAULTS, CallerClosed, Check, ForwardSend, RunFailed, T, event
 from swarm.trainer.leases import CoordinatorShards
 from swarm.trainer.loop import run_training
 from swarm.trainer.membership import Membership
@@ -76,10 +76,13 @@ class SwarmCaller:
         self.failures = 0
         self.bans = 0  # failing peers banned (a peer that already left the routing is not banned)
         self.bad_answers = 0  # answers that failed their check: blamed on the peer, retried elsewhere
+        self._closed = threading.Event()  # set by close(): calls in progress end
 
     def client(self, peer: str, address: str) -> StageClient:
         """The client for `peer` at `address`: its channel checks that the server there is `peer`."""
         with self._clients_lock:
+            if self._closed.is_set():
+                raise CallerClosed(f"peer {peer}: the trainer stopped")
             if self._generation != self.member.generation:  # a renewed certificate: new channels with it
                 self._generation = self.member.generation
                 for old in self.clients.values():
@@ -114,6 +117,8 @@ class SwarmCaller:
         refused: dict[str, str] = {}  # peer -> why it refused this request
         waited, rounds = False, 0
         while True:
+            if self._closed.is_set():  # the trainer is stopping: no call outlives it
+                raise CallerClosed(f"stage {stage}: the trainer stopped")
             with self.members.stage(stage) as (router, addresses):
                 now = time.monotonic()
                 peer = None
@@ -130,13 +135,13 @@ class SwarmCaller:
                 timeout = router.deadline(peer, self.min_deadline, self.call_timeout) if peer else 0.0
             if peer is None or address is None:
                 if tried:  # every live peer failed once in this call: go round them again, at once at first
-                    time.sleep(min(RETRY_PAUSE_S * rounds, WAIT_S))
+                    self._closed.wait(min(RETRY_PAUSE_S * rounds, WAIT_S))
                     tried.clear()
                     rounds += 1
                     continue
                 self.note(f"waiting for a peer of stage {stage}")
                 waited = True
-                time.sleep(WAIT_S)
+                self._closed.wait(WAIT_S)
                 continue
             if waited:
                 self.note("train")
@@ -201,6 +206,9 @@ class SwarmCaller:
         return {"bad_answers": self.bad_answers}
 
     def close(self) -> None:
+        """Ends every call in progress: its channel closes (an RPC in flight is cancelled) and a call
+        waiting for a peer stops waiting (`CallerClosed`)."""
+        self._closed.set()
         with self._clients_lock:
             clients = list(self.clients.values())
         for c in clients:
