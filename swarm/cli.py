@@ -83,6 +83,23 @@ def data_path(text: str) -> str:
     return text
 
 
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM stop this process as Ctrl-C does (KeyboardInterrupt: a trainer's calls end,
+    its DHT node and leases are let go), even when it was started with SIGINT ignored (a background
+    job of a non-interactive shell). Processes forked from it (hivemind's DHT) keep the default
+    action, so that a signal to the process group ends them at once rather than with a traceback."""
+    main = os.getpid()
+
+    def stop(signum: int, frame) -> None:
+        if os.getpid() == main:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
 @contextlib.contextmanager
 def run_failed_is_an_error() -> Iterator[None]:
     """A trainer's `RunFailed` ends the command with its one line and exit status 1, no traceback."""
@@ -98,8 +115,7 @@ def run_failed_is_an_error() -> Iterator[None]:
 def cmd_train(args: argparse.Namespace) -> int:
     from swarm.trainer.options import TrainerOptions
 
-    # SIGTERM stops a trainer as Ctrl-C does: its calls end, its DHT node and leases are let go.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    stop_on_signals()
 
     args.coordinator = coordinator_url(args.coordinator, bool(args.local or args.peers or args.config))
     opts = TrainerOptions(
