@@ -33,9 +33,12 @@ def listed_names(base: str) -> set[str]:
     return {p["public_name"] for s in state["stages"] for p in s["peers"]}
 
 
-def start_peer(url: str, name: str, stage: int | str, tmp: Path, *extra: str) -> Proc:
-    """`swarm peer` of the run at `url` on `stage` (a number or 'auto'), one torch thread."""
+def start_peer(url: str, name: str, stage: int | str, tmp: Path, *extra: str, host: str | None = None) -> Proc:
+    """`swarm peer` of the run at `url` on `stage` (a number or 'auto'), one torch thread; `host`: the
+    loopback address it listens on, a machine of its own (spot checks count one vote per host)."""
     args = ["peer", "--coordinator", url, "--stage", str(stage), "--public-name", name, "--threads", "1"]
+    if host:
+        args += ["--host", host]
     args += ["--checkpoint-dir", "none"]  # every benchmark run starts from the seeded init
     return Proc([*args, *extra], tmp / f"{name}.log")
 

@@ -62,10 +62,11 @@ def run_swarm(config: Path, steps: int, fraction: float, liar_scale: float, tmp:
     try:
         coordinator, url = start_coordinator(config, tmp / "coordinator.log")
         procs.append(coordinator)
-        peers = {"s0": start_peer(url, "s0", 0, tmp, "--no-rebalance")}
-        for name in ("honest1", "honest2", "liar" if liar_scale else "honest3"):
+        peers = {"s0": start_peer(url, "s0", 0, tmp, "--no-rebalance", host="127.0.0.2")}
+        for n, name in enumerate(("honest1", "honest2", "liar" if liar_scale else "honest3")):
             extra = ["--corrupt-outputs", str(liar_scale)] if name == "liar" else []
-            peers[name] = start_peer(url, name, 1, tmp, "--no-rebalance", *extra)
+            # Each on a machine of its own (a loopback address): checks count one vote per host.
+            peers[name] = start_peer(url, name, 1, tmp, "--no-rebalance", *extra, host=f"127.0.0.{3 + n}")
         procs += peers.values()
         wait_online(url, peers)
         log_json = tmp / "train.jsonl"

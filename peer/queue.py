@@ -67,12 +67,6 @@ def accumulates(work: ForwardWork | BackwardWork) -> bool:
     return isinstance(work, BackwardWork) or (work.train and work.targets is not None)
 
 
-def trains(work: ForwardWork | BackwardWork) -> bool:
-    """Training work (a backward, or a training forward), as opposed to evaluation and spot checks,
-    whose answers are compared with other peers' and need the exact weights of the step they name."""
-    return isinstance(work, BackwardWork) or work.train
-
-
 def resolve(future: Future, result=None, error: BaseException | None = None) -> None:
     """Hand a result to a caller that may have given up meanwhile (its future is then cancelled)."""
     try:

@@ -27,8 +27,10 @@ last stage finishes its batch a whole backward pass before the first), the compu
 queued training work (`stepping`, worker.py `_serve_aside`), up to one global batch: work for the
 steps already taken (another trainer's), and work for the step being taken, on the weights before
 it: a gradient one step stale, as with hivemind's delayed parameter updates. Its gradients are set
-aside (`Aside`) and count toward the next step. Work that is checked against other peers' answers
-(evaluation, spot checks) needs the exact weights it names and waits for the step. One trainer alone
+aside (`Aside`) and count toward the next step. A forward that adds no gradient
+(evaluation, and any training forward of an inner stage: it may be a spot check, and checks look like
+training forwards) needs the exact weights it names, being compared with other peers' answers, and
+waits for the step. One trainer alone
 sends its next requests only after the step's last backward, which the last stage to finish answers
 before it steps, so its steps stay those of synchronous training.
 

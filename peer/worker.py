@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from peer.checkpoint import Checkpoint, CheckpointWriter
 from peer.options import NO_FAULTS, Faults
-from peer.queue import Task, WorkQueue, accumulates, gave_up, resolve, still_waiting, trains
+from peer.queue import Task, WorkQueue, accumulates, gave_up, resolve, still_waiting
 from peer.requests import BackwardWork, CachedForward, ForwardWork, RequestError
 from peer.stepper import StagedGrads, Stepper, make_updater
 from swarm.config import RunConfig
@@ -225,14 +225,16 @@ class StageWorker:
         work queued for the steps taken and the one being taken, on the weights before it, its gradients
         set aside for the next step (peer/stepper.py Aside); else wait a moment. Without it, a stage that
         finished its global batch would sit idle until the slowest stage finished too, and a second
-        trainer would add nothing. Work checked against other peers' answers waits for the step."""
+        trainer would add nothing. A forward that adds no gradient waits for the step: it may be a spot
+        check (they look like training forwards), compared with another peer's answer computed on the
+        exact weights the request names."""
         aside = self.stepper.stepping
         if aside is None:
             time.sleep(0.02)
             return
 
         def allow(work: ForwardWork | BackwardWork) -> bool:
-            return work.step < aside.step or (work.step == aside.step and trains(work))
+            return work.step < aside.step or (work.step == aside.step and accumulates(work))
 
         got = self.queue.take(self.run.serve.max_batch_tokens, timeout=0.02, room=self.stepper.room(), allow=allow)
         if got is None:

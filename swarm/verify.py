@@ -17,8 +17,11 @@ ends the peer starts over: no strikes, and every call of its stage is checked un
 when the third disagrees with both) nobody can tell which one is wrong: the disagreement is
 counted and nobody is banned, so one peer can never get an honest peer banned on its own word.
 
-Which calls are checked is decided from the run's seed, the stage and the microbatch's name, so a
-run repeats its checks. Besides, while a peer of the stage has passed fewer than `first_checks`
+Which calls are checked is decided by a keyed hash (HMAC) of the stage and the microbatch's name
+under a secret that only the trainer holds (drawn anew for each trainer), so a peer cannot work out
+which of its calls are checked: the microbatch ids it sees are keyed hashes too (`opaque_id`), and a
+check of an inner stage is a training forward like any other (swarm/trainer/spotcheck.py).
+Besides, while a peer of the stage has passed fewer than `first_checks`
 checks since it joined or was last outvoted, every call of the stage is checked, the peer with the
 fewest passed checks answering as the second one: a new peer is checked at once, and an outvoted
 one until it agrees again or collects its next strike, even at a small fraction.
@@ -29,6 +32,8 @@ Nothing here touches the network: the trainer asks, this module keeps the counts
 from __future__ import annotations
 
 import hashlib
+import hmac
+import secrets
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -70,13 +75,37 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if diff == 0 else diff / scale
 
 
-def sampled(seed: int, stage: int, name: str, fraction: float) -> bool:
-    """Whether the call of microbatch `name` to `stage` is one of the `fraction` checked: a hash of
-    the three, so the same run checks the same calls."""
+def sampled(key: bytes, stage: int, name: str, fraction: float) -> bool:
+    """Whether the call of microbatch `name` to `stage` is one of the `fraction` checked: a keyed hash
+    of the two under the trainer's secret `key`, which nobody else can compute (a hash of public
+    values, such as the run's seed, lets a peer lie exactly where nobody looks)."""
     if fraction <= 0:
         return False
-    digest = hashlib.blake2b(f"{seed}/{stage}/{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 < fraction
+    digest = hmac.new(key, f"check/{stage}/{name}".encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def opaque_id(key: bytes, name: str) -> str:
+    """The id a peer sees for microbatch `name` (e.g. "12.3", step and index): a keyed hash that says
+    neither, so that the calls a trainer checks cannot be told from the others by their ids."""
+    return hmac.new(key, f"id/{name}".encode(), hashlib.sha256).hexdigest()[:16]
+
+
+def new_key() -> bytes:
+    """A trainer's secret for `sampled` and `opaque_id`."""
+    return secrets.token_bytes(32)
+
+
+def one_per_host(peers: Sequence[str], host_of: Callable[[str], str], taken: Collection[str] = ()) -> list[str]:
+    """`peers` less those on a host in `taken` or on the host of an earlier one: votes count once per
+    machine, so that ids a volunteer runs side by side (Sybils) cannot outvote an honest peer."""
+    seen, kept = set(taken), []
+    for peer in peers:
+        host = host_of(peer)
+        if host not in seen:
+            seen.add(host)
+            kept.append(peer)
+    return kept
 
 
 def odd_one_out(answers: Sequence[torch.Tensor], agree: Callable[[torch.Tensor, torch.Tensor], bool]) -> int | None:
@@ -116,14 +145,16 @@ class SpotChecks:
         fraction: float,
         strikes: int = 2,
         first_checks: int = 2,
-        seed: int = 0,
         ban_s: float = 0.0,
+        key: bytes | None = None,
     ):
+        """`key`: the secret that picks the checked calls (default: a new random one)."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
         if strikes < 1:
             raise ValueError(f"strikes must be >= 1, got {strikes}")
-        self.fraction, self.strikes, self.first_checks, self.seed = fraction, strikes, first_checks, seed
+        self.fraction, self.strikes, self.first_checks = fraction, strikes, first_checks
+        self.key = new_key() if key is None else key
         self.ban_s = ban_s
         self.stages = [_StageState() for _ in range(num_stages)]
         self.banned: dict[str, int] = {}  # peer id -> the stage it is banned on (now)
@@ -142,9 +173,7 @@ class SpotChecks:
         if not self.enabled() or len(peers) < 2:
             return False
         passed = self.stages[stage].passed
-        return sampled(self.seed, stage, name, self.fraction) or any(
-            passed.get(p, 0) < self.first_checks for p in peers
-        )
+        return sampled(self.key, stage, name, self.fraction) or any(passed.get(p, 0) < self.first_checks for p in peers)
 
     def checker(self, stage: int, peers: Collection[str]) -> str | None:
         """The peer to answer the check: the one with the fewest passed checks (ties by id: repeatable)."""

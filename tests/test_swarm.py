@@ -20,6 +20,11 @@ TINY = ROOT / "configs" / "tiny.toml"
 ACCUMULATION = 2  # tiny.toml: global_batch 16 / micro_batch 8
 
 
+def own_host(n: int) -> str:
+    """The loopback address of the `n`-th peer's own machine (127.0.0.1 is the coordinator's)."""
+    return f"127.0.0.{2 + n}"
+
+
 class Swarm:
     def __init__(self, tmp: Path, config: Path = TINY, coordinator_args: tuple[str, ...] = ()):
         """`coordinator_args`: more options for `swarm coordinator` (they win over the defaults)."""
@@ -29,9 +34,13 @@ class Swarm:
         self.trainer: Proc | None = None
 
     def add_peer(self, name: str, stage: int | str = "auto", *extra: str, rebalance: bool = False) -> Proc:
-        """A peer; pinned to its stage unless the test is about rebalancing (moves would blur the rest)."""
+        """A peer; pinned to its stage unless the test is about rebalancing (moves would blur the rest).
+        Each peer listens on a loopback address of its own (127.0.0.2, .3, ...) unless `extra` names a
+        `--host`: a machine of its own, as spot checks count one vote per host."""
         if not rebalance:
             extra = ("--no-rebalance", *extra)
+        if "--host" not in extra:
+            extra = ("--host", own_host(len(self.peers)), *extra)
         proc = child(
             [
                 "peer",

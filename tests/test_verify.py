@@ -12,7 +12,7 @@ import torch
 from coordinator.events import diff_events
 from swarm.records import TrainerRecord
 from swarm.routing import Router
-from swarm.verify import SpotChecks, odd_one_out, relative_error, sampled, tolerance
+from swarm.verify import SpotChecks, new_key, odd_one_out, one_per_host, opaque_id, relative_error, sampled, tolerance
 from swarm.wire import decode, encode
 from tests.conftest import run_cli
 from tests.processes import wait_for_state
@@ -29,14 +29,31 @@ def hidden(seed: int = 0) -> torch.Tensor:
     return torch.randn(8, 128, 128, generator=torch.Generator().manual_seed(seed))
 
 
-def test_the_sampled_fraction_is_close_to_the_asked_one_and_repeats_for_a_seed():
+def test_the_sampled_fraction_is_close_to_the_asked_one_and_depends_on_the_trainers_secret():
     names = [f"{step}.{i}" for step in range(2000) for i in range(2)]
-    picked = [n for n in names if sampled(0, 1, n, 0.02)]
+    key = new_key()
+    picked = [n for n in names if sampled(key, 1, n, 0.02)]
     assert 0.015 <= len(picked) / len(names) <= 0.025
-    assert picked == [n for n in names if sampled(0, 1, n, 0.02)]
-    assert picked != [n for n in names if sampled(1, 1, n, 0.02)]
-    assert not any(sampled(0, 1, n, 0.0) for n in names)
-    assert all(sampled(0, 1, n, 1.0) for n in names)
+    assert picked == [n for n in names if sampled(key, 1, n, 0.02)]  # the trainer's own decision repeats
+    assert picked != [n for n in names if sampled(new_key(), 1, n, 0.02)]  # another secret: other calls
+    assert not any(sampled(key, 1, n, 0.0) for n in names)
+    assert all(sampled(key, 1, n, 1.0) for n in names)
+    assert SpotChecks(1, 0.5).key != SpotChecks(1, 0.5).key  # every trainer draws its own
+
+
+def test_microbatch_ids_reveal_neither_step_nor_index():
+    key = new_key()
+    ids = {opaque_id(key, f"{step}.{i}") for step in range(100) for i in range(4)}
+    assert len(ids) == 400  # one each
+    assert all(len(i) == 16 and "." not in i for i in ids)
+    assert opaque_id(key, "3.1") == opaque_id(key, "3.1") != opaque_id(new_key(), "3.1")
+
+
+def test_votes_count_once_per_host():
+    host = {"a": "10.0.0.1", "sybil1": "10.0.0.9", "sybil2": "10.0.0.9", "b": "10.0.0.2"}.__getitem__
+    assert one_per_host(["sybil1", "sybil2", "a", "b"], host) == ["sybil1", "a", "b"]
+    assert one_per_host(["sybil1", "sybil2", "a", "b"], host, taken={"10.0.0.9"}) == ["a", "b"]
+    assert one_per_host(["sybil2"], host, taken={"10.0.0.9", "10.0.0.1"}) == []
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
@@ -214,8 +231,9 @@ def test_a_peer_corrupting_its_outputs_is_banned_and_gets_no_more_traffic(tmp_pa
         assert banned_after <= MAX_MICROBATCHES_TO_BAN
         # No more traffic: no training microbatch of a later step reached the liar (those of its
         # step and the next may have been in flight when it was banned).
-        applied = [mb for s in swarm.applied() if s["peer"] == "liar" for mb in s["microbatches"]]
-        assert all(int(mb.rsplit("-", 1)[1].split(".")[0]) <= step + 1 for mb in applied)
+        # (A step log's "step" counts the steps taken: the step of microbatches of step s says s + 1.)
+        applied = [s["step"] for s in swarm.applied() if s["peer"] == "liar" and s["microbatches"]]
+        assert applied and max(applied) <= step + 2, applied
         # The coordinator shows the checks and the ban, and reports it as an event naming the peer.
         s = wait_for_state(swarm.url, lambda s: any(t["spot_bans"] for t in s["trainers"]), timeout=15)
         trainer = s["trainers"][0]

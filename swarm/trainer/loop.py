@@ -29,6 +29,7 @@ from swarm.progress import RunLog, eval_due
 from swarm.rpc import pb
 from swarm.tokenizer import load_tokenizer
 from swarm.trainer.caller import StageCaller
+from swarm.verify import new_key, opaque_id
 from swarm.wire import WireError, encode, expect
 
 PAUSE_CHECK_S = 1.0  # while the operator keeps the run paused, look again this often
@@ -64,12 +65,19 @@ class StageSteps:
 
 
 def microbatch(
-    caller: StageCaller, batch: Batch, step: int, name: str, train: bool = True, steps: StageSteps | None = None
+    caller: StageCaller,
+    batch: Batch,
+    step: int,
+    name: str,
+    train: bool = True,
+    steps: StageSteps | None = None,
+    key: bytes | None = None,
 ) -> float:
     """Forward (and, when training, backward) one microbatch through every stage; its loss. `steps`:
-    told each stage's answers."""
+    told each stage's answers; `key`: the trainer's secret, with which the peers see the microbatch's
+    name (e.g. "12.3": step and index) as an opaque id (None: as it is)."""
     heard = steps.heard if steps is not None else lambda k, response: None
-    mb_id = f"{caller.trace}-{name}"
+    mb_id = f"{caller.trace}-{name if key is None else opaque_id(key, name)}"
     last = caller.run.stages.count - 1
     samples = batch.inputs.shape[0]
     inputs: list[pb.Tensor] = [encode(batch.inputs)]
@@ -167,6 +175,7 @@ def run_training(
     pool = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="microbatch")
     done = samples = 0
     step = label = start
+    key = new_key()  # the microbatches' ids say nothing a peer could use to tell checked calls
     try:
         for i in range(steps):
             if caller.paused():
@@ -177,7 +186,8 @@ def run_training(
             batches = draw(data, t.accumulation, t.micro_batch)
             reached = StageSteps(run.stages.count)
             jobs = [
-                pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached) for j, b in enumerate(batches)
+                pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached, key=key)
+                for j, b in enumerate(batches)
             ]
             losses = []
             for batch, job in zip(batches, jobs, strict=True):
@@ -191,7 +201,8 @@ def run_training(
             val_loss = None
             if eval_due(i, steps, t.eval_every):
                 jobs = [
-                    pool.submit(microbatch, caller, b, following, f"val{step}.{j}", False) for j, b in enumerate(val)
+                    pool.submit(microbatch, caller, b, following, f"val{step}.{j}", False, key=key)
+                    for j, b in enumerate(val)
                 ]
                 val_loss = sum(j.result() for j in jobs) / len(jobs)
             record = progress.step(

@@ -37,6 +37,12 @@ from swarm.trainer.caller import event
 from swarm.verify import SpotChecks
 
 
+def host_of(address: str) -> str:
+    """ "HOST:PORT" -> "HOST" (also "[V6]:PORT" -> "V6")."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 class Membership:
     """The stages' routers and peer addresses, the operator's control state and this trainer's record;
     refreshed from the DHT in a background thread until `close`."""
@@ -95,6 +101,12 @@ class Membership:
         with self.stage(stage) as (router, addresses):
             now = time.monotonic()
             return [p for p in addresses if not router.is_banned(p, now)]
+
+    def hosts(self, stage: int) -> dict[str, str]:
+        """The host part of each peer's address on `stage` (peer id -> host): a spot check counts one
+        vote per host (swarm/verify.py `one_per_host`)."""
+        with self.stage(stage) as (_, addresses):
+            return {p: host_of(a) for p, a in addresses.items()}
 
     def drop(self, stage: int, peer: str) -> None:
         """Route no more calls to `peer` (the refresh leaves it out too while the spot checks ban it)."""

@@ -1,8 +1,9 @@
 """Spot checks of forward calls, as a caller that wraps the swarm's (the policy: swarm/verify.py).
 
-A checked training forward is also sent to a second peer of the stage as an evaluation forward;
-when the two answers disagree a third peer arbitrates, and a peer outvoted `strikes` times is
-dropped from the routing until its ban ends. Every other call passes through unchanged.
+A checked training forward is also sent to a second peer of the stage, on another machine (votes
+count once per host: a volunteer's side-by-side ids are one voter); when the two answers disagree a
+third peer, on a third machine, arbitrates, and a peer outvoted `strikes` times is dropped from the
+routing until its ban ends. Every other call passes through unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from swarm.client import StageClient
 from swarm.rpc import pb
 from swarm.trainer.caller import Check, ForwardSend, T, event
 from swarm.trainer.membership import Membership
-from swarm.verify import SpotChecks, tolerance
+from swarm.verify import SpotChecks, one_per_host, tolerance
 from swarm.wire import decode
 
 if TYPE_CHECKING:  # swarm.py builds a SpotCheckCaller around its SwarmCaller
@@ -49,35 +50,47 @@ class SpotCheckCaller:
         self, stage: int, samples: int, name: str, train: bool, send: ForwardSend, check: Check | None = None
     ) -> tuple[pb.ForwardResponse, str]:
         peers = self.members.live(stage)
-        if not train or not self.spot.due(stage, name, peers):
+        hosts = self.members.hosts(stage)
+
+        def host(p: str) -> str:
+            return hosts.get(p, p)
+
+        if not train or len(one_per_host(peers, host)) < 2 or not self.spot.due(stage, name, peers):
             return self.inner.forward(stage, samples, name, train, send, check)
         call = self.inner.call
-        # The check goes first, as an evaluation forward (no gradient): on the last stage the
-        # training forward completes the microbatch's gradient, the stage may step right after it,
-        # and an evaluation sent then could see the next step's weights.
+        last = stage == self.run.stages.count - 1
+        # On an inner stage a training forward only records its graph (the gradient comes with the
+        # backward, which goes to the peer whose answer is used), so the check is a training forward
+        # too: a peer cannot tell the checked calls from the others. On the last stage a training
+        # forward adds to the stage's gradient, so its check stays an evaluation forward.
+        as_training = not last
+        # The check goes first: on the last stage the training forward completes the microbatch's
+        # gradient, the stage may step right after it, and a check sent then could see the next
+        # step's weights.
         second, checker = call(
-            stage, samples, lambda c: send(c, False), prefer=self.spot.checker(stage, peers), timed=False
+            stage, samples, lambda c: send(c, as_training), prefer=self.spot.checker(stage, peers), timed=False
         )
         # (The checker's answer is not checked here: a malformed one loses the comparison below.)
-        out, peer = call(stage, samples, lambda c: send(c, True), avoid={checker}, check=check)
-        if peer == checker:  # no other peer could answer: nothing to compare
+        beside = {p for p in peers if host(p) == host(checker)}  # one machine's ids are one voter
+        out, peer = call(stage, samples, lambda c: send(c, True), avoid=beside | {checker}, check=check)
+        if host(peer) == host(checker):  # no peer of another machine could answer: nothing to compare
             return out, peer
-        last = stage == self.run.stages.count - 1
         rtol = self.run.verify.rtol or tolerance(self.run.wire.codec, self.run.model.dtype, encoded=not last)
 
         def arbiter() -> tuple[str, torch.Tensor] | None:
-            others = [p for p in peers if p not in (peer, checker) and p not in self.spot.banned]
+            voted = {host(peer), host(checker)}
+            others = one_per_host([p for p in peers if p not in self.spot.banned], host, taken=voted)
             if not others:
                 return None
             third, who = call(
                 stage,
                 samples,
-                lambda c: send(c, False),
+                lambda c: send(c, as_training),
                 prefer=self.spot.checker(stage, others),
-                avoid={peer, checker},
+                avoid={p for p in peers if host(p) in voted},
                 timed=False,
             )
-            return (who, _answer(third, last)) if who not in (peer, checker) else None
+            return (who, _answer(third, last)) if host(who) not in voted else None
 
         answers = [(peer, _answer(out, last)), (checker, _answer(second, last))]
         verdict = self.spot.judge(stage, answers, rtol, arbiter)

@@ -240,7 +240,7 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
     if opts.verify_fraction is not None:
         run = run.model_copy(update={"verify": run.verify.model_copy(update={"fraction": opts.verify_fraction})})
     v = run.verify
-    spot = SpotChecks(run.stages.count, v.fraction, v.strikes, v.first_checks, run.training.seed, v.ban_s)
+    spot = SpotChecks(run.stages.count, v.fraction, v.strikes, v.first_checks, v.ban_s)
     members = Membership(run, dht, initial_peers, spot)
     source = None
     try:
