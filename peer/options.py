@@ -7,11 +7,16 @@ its outputs, one that logs the microbatches each optimizer step applied. A norma
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from swarm.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -19,11 +24,17 @@ class Faults:
     """Test-only behaviour of a peer; the defaults are a normal peer."""
 
     delay_per_sample: float = 0.0  # seconds added per sample served: a slower device
-    # A dishonest peer: Gaussian noise of this scale (x the outputs' RMS) added to its forward outputs.
+    # A dishonest peer: noise of this scale (x the outputs' RMS) added to its forward outputs, a
+    # function of the outputs alone, so that two liars given the same input tell the same lie (Sybils).
     corrupt_outputs: float = 0.0
+    # ... that lies only where it expects no spot check, after answering its first `lie_after` training
+    # forwards honestly (a new peer's calls are all checked): it knows the run's config and how a
+    # trainer once picked its checks (`predicted_check`). None: it lies in every answer.
+    lie_after: int | None = None
     # A hostile peer: every tensor it answers with is one token short ("shape") or all NaN ("nan").
     malformed: str | None = None
     log_steps: Path | None = None  # one JSON line per optimizer step, naming the microbatches it applied
+    _forwards: list[int] = field(default_factory=lambda: [0], compare=False)  # training forwards answered
 
     def delay(self, samples: int) -> None:
         """Take as long as a slower device would have taken over `samples` more."""
@@ -37,12 +48,29 @@ class Faults:
             return samples_per_s
         return 1 / (1 / samples_per_s + 2 * self.delay_per_sample)
 
-    def corrupt(self, out: torch.Tensor) -> torch.Tensor:
+    def lies(self, run: RunConfig, stage: int, works: Sequence) -> list[bool]:
+        """Which of a batch's forwards (peer/requests.py ForwardWork) this peer answers falsely."""
         if not self.corrupt_outputs:
+            return [False] * len(works)
+        if self.lie_after is None:
+            return [True] * len(works)
+        lying = []
+        for work in works:
+            if work.train:
+                self._forwards[0] += 1
+            trusted = self._forwards[0] > self.lie_after
+            lying.append(work.train and trusted and not predicted_check(run, stage, work.microbatch_id))
+        return lying
+
+    def corrupt(self, out: torch.Tensor, rows: Sequence[bool] | None = None) -> torch.Tensor:
+        """`out` with its samples (first dimension) corrupted where `rows` says (None: all of them)."""
+        if not self.corrupt_outputs or (rows is not None and not any(rows)):
             return out
         with torch.no_grad():
-            noise = torch.randn_like(out) * (self.corrupt_outputs * out.float().pow(2).mean().sqrt())
-        return out + noise
+            noise = torch.sin(out.float() * 37.0 + 1.0) * (self.corrupt_outputs * out.float().pow(2).mean().sqrt())
+            if rows is not None:
+                noise *= torch.tensor(rows, dtype=noise.dtype, device=noise.device).view(-1, *[1] * (out.dim() - 1))
+        return out + noise.to(out.dtype)
 
     def answer(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor this peer sends back in place of `tensor`."""
@@ -51,6 +79,17 @@ class Faults:
         if self.malformed == "nan":
             return torch.full_like(tensor, float("nan"))
         return tensor
+
+
+def predicted_check(run: RunConfig, stage: int, microbatch_id: str) -> bool:
+    """A liar's guess whether a trainer checks this training forward, from what a peer sees: an id
+    ending in "STEP.INDEX" once told which calls a hash of the run's seed picked. An opaque id tells
+    nothing: the guess is then "not checked"."""
+    name = microbatch_id.rsplit("-", 1)[-1]
+    if not re.fullmatch(r"\d+\.\d+", name) or run.verify.fraction <= 0:
+        return False
+    digest = hashlib.blake2b(f"{run.training.seed}/{stage}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < run.verify.fraction
 
 
 NO_FAULTS = Faults()

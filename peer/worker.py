@@ -313,6 +313,11 @@ class StageWorker:
             self.times.observe("backward", sec)
         self.times.observe(kind, sec)
 
+    def _lies(self, batch: list[Task]) -> list[bool]:
+        """Which samples of the batch a test's dishonest peer corrupts (peer/options.py Faults)."""
+        lying = self.faults.lies(self.run, self.stage_index, [t.work for t in batch])
+        return [lie for task, lie in zip(batch, lying, strict=True) for _ in range(task.samples)]
+
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
@@ -340,7 +345,7 @@ class StageWorker:
         with torch.set_grad_enabled(cache), autocast(self.device, self.run.model.dtype):
             if cache and not self.stage.is_first:
                 x.requires_grad_(True)
-            out = self.faults.corrupt(self.stage(x))
+            out = self.faults.corrupt(self.stage(x), self._lies(batch))
         if cache:
             self.cache.put(first.microbatch_id, CachedForward(x, out, self.optimizer_steps))
         return [ForwardResult(output=o) for o in self._split(out, batch)]
@@ -354,7 +359,7 @@ class StageWorker:
             if train and not self.stage.is_first:
                 x.requires_grad_(True)
             with autocast(self.device, self.run.model.dtype):
-                logits = self.faults.corrupt(self.stage(x))
+                logits = self.faults.corrupt(self.stage(x), self._lies(batch))
             per_sample = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").mean(dim=1)
             sizes = [t.work.inputs.shape[0] for t in batch]
             losses = [chunk.mean() for chunk in per_sample.split(sizes)]

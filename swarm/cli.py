@@ -205,6 +205,7 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
         faults=Faults(
             delay_per_sample=args.delay_per_sample,
             corrupt_outputs=args.corrupt_outputs,
+            lie_after=args.lie_after,
             malformed=args.malformed,
             log_steps=args.log_steps,
         ),
@@ -600,6 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--delay-per-sample", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
     peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--corrupt-outputs", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
+    peer.add_argument("--lie-after", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--malformed", choices=("shape", "nan"), default=None, help=argparse.SUPPRESS)
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
