@@ -6,6 +6,11 @@ the loss curve and the event log, and event ids go on where they stopped. `Histo
 listens to the coordinator's ViewHolder (coordinator.view): for each new view it stores the events
 derived from the change (coordinator.events) and, at most every POINT_EVERY_S and only when
 something moved, a point: global step, loss, tokens/s and each stage's throughput.
+
+The recorder remembers the peers it saw online (so that one back after a move or a restart of the
+coordinator has not joined anew) with when it last saw each: a peer not seen online for
+SEEN_FORGET_S is forgotten, here and in the file, and joins anew should it come back. Otherwise
+every peer id that ever joined (each start of a peer is a new one) stayed for good.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from swarm.records import PeerRecord, SwarmView
 
 POINT_EVERY_S = 2.0  # at most one point this often
 MAX_POINTS = 5000  # a longer history is answered thinned out (every k-th point, and the newest)
+SEEN_FORGET_S = 3600.0  # a peer not seen online for this long is forgotten
+SEEN_REFRESH_S = 60.0  # how often the stored times of the online peers are brought up to date
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS points (
@@ -156,13 +163,23 @@ class History:
         keys = ("id", "t", "kind", "peer", "stage", "text")
         return [Event(**dict(zip(keys, row, strict=True))) for row in rows]
 
-    def seen_peers(self) -> set[str]:
+    def seen_peers(self) -> dict[str, float]:
+        """The peers seen online, with when they were last."""
         with self._lock:
-            return {pid for (pid,) in self._db.execute("SELECT peer_id FROM seen_peers")}
+            return dict(self._db.execute("SELECT peer_id, t FROM seen_peers"))
 
     def add_seen_peers(self, peer_ids: Iterable[str], t: float) -> None:
+        """`peer_ids` were online at `t`."""
         with self._lock, self._db:
-            self._db.executemany("INSERT OR IGNORE INTO seen_peers VALUES (?, ?)", [(p, t) for p in peer_ids])
+            self._db.executemany(
+                "INSERT INTO seen_peers VALUES (?, ?) ON CONFLICT (peer_id) DO UPDATE SET t = MAX(t, excluded.t)",
+                [(p, t) for p in peer_ids],
+            )
+
+    def forget_seen_peers(self, before: float) -> None:
+        """Forget the peers last seen online before `before`."""
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM seen_peers WHERE t < ?", (before,))
 
 
 def _moved(a: HistoryPoint, b: HistoryPoint) -> bool:
@@ -173,17 +190,25 @@ class HistoryRecorder:
     """Turns each new view into stored events and points: a ViewHolder listener (runs on the
     coordinator's reader thread), and the hearer of the operator's actions (control events)."""
 
-    def __init__(self, history: History, every_s: float = POINT_EVERY_S):
-        self.history, self.every_s = history, every_s
+    def __init__(self, history: History, every_s: float = POINT_EVERY_S, forget_s: float = SEEN_FORGET_S):
+        self.history, self.every_s, self.forget_s = history, every_s, forget_s
         self.last = history.last_point()
-        self.seen = history.seen_peers()
+        self.seen = history.seen_peers()  # peer id -> when last seen online
+        self.refreshed = -float("inf")  # when the stored times were last brought up to date
 
     def __call__(self, old: SwarmView, new: SwarmView) -> None:
-        self.history.add_events(diff_events(old, new, self.seen))
-        online = {p.peer_id for k in range(len(new.stages)) for p in new.online(k)} - self.seen
-        if online:
-            self.history.add_seen_peers(online, new.read_at)
-            self.seen |= online
+        self.history.add_events(diff_events(old, new, self.seen.keys()))
+        t = new.read_at
+        online = {p.peer_id for k in range(len(new.stages)) for p in new.online(k)}
+        fresh = online - self.seen.keys()
+        self.seen.update(dict.fromkeys(online, t))
+        if t - self.refreshed >= SEEN_REFRESH_S:
+            self.refreshed = t
+            self.history.add_seen_peers(online, t)
+            self.seen = {p: seen for p, seen in self.seen.items() if seen >= t - self.forget_s}
+            self.history.forget_seen_peers(t - self.forget_s)
+        elif fresh:
+            self.history.add_seen_peers(fresh, t)
         point = point_of(new)
         if self.last is None or (point.t - self.last.t >= self.every_s and _moved(point, self.last)):
             self.history.add_point(point)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import gc
 import logging
 import os
 import random
@@ -212,11 +213,15 @@ class PeerDaemon:
         self.announce(timeout=timeout, state="leaving", moving_to=moving_to)
         announced = time.monotonic()
         if self.server is not None:
-            self.server.stop(grace=3).wait(5)
+            self.server.stop(grace=3)
         drained = time.monotonic()
         if self.worker is not None:
             self.worker.close()
         self.server = None
+        # hivemind's optimizer leaves threads behind that end only when the garbage collector frees
+        # what holds them (its progress tracker runs an event loop that it never closes, with 3
+        # executor threads): freed now, not after some later full collection.
+        gc.collect()
         log.info(
             f"peer {self.name}: left stage {self.record.stage} in {time.monotonic() - started:.1f} s "
             f"(announce {announced - started:.1f} s, drain {drained - announced:.1f} s, "
@@ -232,8 +237,11 @@ class PeerDaemon:
     def rebalance(self, view: SwarmView) -> None:
         """Move to the stage the swarm needs most, when that is clearly better (swarm/rebalance.py)."""
         target = should_move(view, self.record, self.run.rebalance.margin, self.fits)
-        if target is None:
-            return
+        if target is not None:
+            self.move(target)
+
+    def move(self, target: int) -> None:
+        """Leave this peer's stage for stage `target`."""
         source = self.record.stage
         log.info(f"peer {self.name}: moving from stage {source} to stage {target}")
         # Wait for the DHT to take "leaving" (with the target): a peer checking next must count this
@@ -317,7 +325,10 @@ def run_peer(options: PeerOptions) -> int:
             peer.refresh()
             # A check that falls due while the swarm is unsteady waits for it to settle.
             view = peer.watch() if options.rebalance else None
-            if view is not None and time.monotonic() >= check_at:
+            if options.faults.restless and time.monotonic() >= check_at:
+                peer.move((peer.record.stage + 1) % run.stages.count)
+                check_at = next_check()
+            elif view is not None and time.monotonic() >= check_at:
                 peer.rebalance(view)
                 check_at = next_check()
             if time.monotonic() - last_status > 30:

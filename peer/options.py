@@ -1,7 +1,8 @@
 """A peer's options, built once from the command line (swarm/cli.py) and passed down as they are.
 
 `Faults` holds what only tests set: a peer that stands in for a slower device, one that lies about
-its outputs, one that logs the microbatches each optimizer step applied. A normal peer has none
+its outputs, one that logs the microbatches each optimizer step applied, one that keeps moving
+between stages. A normal peer has none
 (`Faults()`), and the code that injects them lives here, out of the worker's normal path.
 """
 
@@ -34,6 +35,9 @@ class Faults:
     # A hostile peer: every tensor it answers with is one token short ("shape") or all NaN ("nan").
     malformed: str | None = None
     log_steps: Path | None = None  # one JSON line per optimizer step, naming the microbatches it applied
+    # A restless peer: moves to the next stage at every rebalancing check, whatever the swarm needs
+    # (what a move leaves behind, tested without waiting for the swarm to need one).
+    restless: bool = False
     _forwards: list[int] = field(default_factory=lambda: [0], compare=False)  # training forwards answered
 
     def delay(self, samples: int) -> None:

@@ -65,7 +65,7 @@ def serve_stage(
             f"{worker.throughput:.1f} samples/s, queue {len(worker.queue)}, "
             f"wire {service.bytes_received:,} B in / {service.bytes_sent:,} B out"
         )
-    server.stop(grace=5).wait()
+    server.stop(grace=5)
     worker.close()
     peak = f", peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**20:.0f} MiB" if dev.type == "cuda" else ""
     print(

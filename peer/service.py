@@ -163,6 +163,26 @@ class StageService:
         )
 
 
+class StageServer:
+    """A started gRPC server with the thread pool its calls run on, stopped together.
+
+    grpc-python never shuts down the pool a server was given: its threads lived on after `stop`
+    until the garbage collector happened to free the server, so a peer that moved between stages
+    kept up to `max_threads` idle threads per stage it had served."""
+
+    # How long `stop` waits for calls to end beyond their grace period (cancelled ones end at once).
+    STOP_MARGIN_S = 2.0
+
+    def __init__(self, server: grpc.Server, pool: futures.ThreadPoolExecutor):
+        self.server, self.pool = server, pool
+
+    def stop(self, grace: float | None = None) -> None:
+        """Refuse new calls, give those in progress `grace` seconds (None: none) before they are
+        cancelled, then end the pool's threads (each after the call it is running)."""
+        self.server.stop(grace).wait((grace or 0) + self.STOP_MARGIN_S)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def start_server(
     worker: StageWorker,
     host: str,
@@ -170,14 +190,15 @@ def start_server(
     max_threads: int = 32,
     join_token: str | None = None,
     member: Member | None = None,
-) -> tuple[grpc.Server, StageService, int]:
+) -> tuple[StageServer, StageService, int]:
     """Start serving; returns the server, the service and the bound port (useful with port 0). With
     `member` (a run with a coordinator), over mutual TLS: callers present a certificate of the run's
     CA, and revoked ones are refused. Without, plaintext (a static pipeline), where `join_token`
     is asked of every call (peer/auth.py)."""
     service = StageService(worker, member)
+    pool = futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"stage-{worker.stage_index}-call")
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_threads),
+        pool,
         options=grpc_options(worker.run),
         interceptors=[JoinTokenCheck(join_token)] if join_token else None,
     )
@@ -190,4 +211,4 @@ def start_server(
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     server.start()
-    return server, service, bound
+    return StageServer(server, pool), service, bound

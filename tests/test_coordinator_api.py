@@ -21,7 +21,7 @@ from schemathesis.checks import not_a_server_error
 
 from benchmarks.fuzz import examples, rest_still_serves
 from coordinator.events import Event, diff_events
-from coordinator.history import History, HistoryPoint, HistoryRecorder
+from coordinator.history import SEEN_FORGET_S, SEEN_REFRESH_S, History, HistoryPoint, HistoryRecorder
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
 from tests.conftest import CONFIGS, run_cli
 from tests.processes import wait_for_state
@@ -105,7 +105,7 @@ def test_history_survives_a_reopen_and_event_ids_go_on(tmp_path: Path):
     assert history.points() == [point(1.0, 1), point(3.0, 2, None)]
     assert history.points(since=2.0) == [point(3.0, 2, None)]
     assert history.last_point() == point(3.0, 2, None)
-    assert history.seen_peers() == {"a"}
+    assert history.seen_peers() == {"a": 1.0}
     [new] = history.add_events([Event(t=5.0, kind="leave", peer="a", stage=0, text="a left")])
     assert new.id == 3
     assert [e.id for e in history.events()] == [1, 2, 3]
@@ -152,6 +152,34 @@ def test_the_recorder_stores_a_point_at_most_every_2_s_and_only_on_change(tmp_pa
     again(view(t=20.0), view(a0, trainers=trainer(2), t=21.0))
     assert [e.kind for e in history.events(after=3)] == ["step"]  # a trainer first seen; the peer did not join anew
     assert len(history.points()) == 2
+
+
+def test_a_peer_not_seen_online_for_an_hour_is_forgotten_and_joins_anew_when_it_comes_back(tmp_path: Path):
+    history = History(tmp_path / "h.sqlite")
+    record = HistoryRecorder(history)
+    a0, b1 = peer("a", 0), peer("b", 1)
+    record(view(t=0.0), view(a0, b1, t=10.0))
+    record(view(a0, b1, t=10.0), view(b1, t=20.0))  # a vanishes ...
+    record(view(b1, t=20.0), view(a0, b1, t=1810.0))  # ... and is back within the hour: no new join
+    record(view(a0, b1, t=1810.0), view(b1, t=1820.0))
+    later = 1810.0 + SEEN_FORGET_S + SEEN_REFRESH_S
+    record(view(b1, t=1820.0), view(b1, t=later))
+    assert set(record.seen) == {"b"} and set(history.seen_peers()) == {"b"}  # a forgotten, here and stored
+    record(view(b1, t=later), view(a0, b1, t=later + 1))
+    assert [e.peer for e in history.events() if e.kind == "join"] == ["name-a", "name-b", "name-a"]
+
+
+def test_peers_that_come_and_go_for_good_are_not_remembered_past_the_hour(tmp_path: Path):
+    history = History(tmp_path / "h.sqlite")
+    record = HistoryRecorder(history)
+    before, every = view(t=0.0), 30.0
+    for i in range(500):  # a new peer every 30 s, each online for one read (each start is a new id)
+        now = view(peer(f"p{i}", 0), t=(i + 1) * every)
+        record(before, now)
+        before = now
+    bound = (SEEN_FORGET_S + SEEN_REFRESH_S) / every + 1
+    assert len(record.seen) <= bound and len(history.seen_peers()) <= bound
+    assert "p499" in record.seen and "p0" not in history.seen_peers()
 
 
 def test_a_state_dir_that_cannot_be_created_is_refused(tmp_path: Path):

@@ -171,3 +171,23 @@ def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(tmp_path):
         assert "Traceback" not in swarm.trainer.output()
     finally:
         swarm.close()
+
+
+def test_the_trainer_closes_the_channel_of_a_peer_it_stopped_calling_and_keeps_its_bytes(stage1):
+    """A peer's client lives while the trainer calls it; once unused for longer than any call lasts
+    (swarm/trainer/clients.py) its channel is closed, the bytes it carried stay counted, and a later
+    call to the peer gets a new one."""
+    pipe, _, _, live, live_id = stage1
+    route(pipe, 1, {live_id: live})
+    pipe.call(1, 1, lambda c: c.info())
+    (client,) = pipe.clients.values()
+    wire = pipe.bytes_on_wire()
+    assert wire > 0
+    pipe.clients.drop_idle(time.monotonic() + pipe.call_timeout)  # still within any call's time: kept
+    assert pipe.clients.values() == [client]
+    pipe.clients.drop_idle(time.monotonic() + pipe.clients.idle_s)
+    assert len(pipe.clients) == 0 and pipe.bytes_on_wire() == wire
+    with pytest.raises(ValueError, match="closed channel"):
+        client.info()
+    response, _ = pipe.call(1, 1, lambda c: c.info())
+    assert response.stage == 1 and pipe.clients.values() != [client] and pipe.bytes_on_wire() > wire

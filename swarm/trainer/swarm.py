@@ -24,6 +24,7 @@ from swarm.join import join_dht
 from swarm.progress import RunLog
 from swarm.rpc import pb
 from swarm.trainer.caller import REQUEST_FAULTS, CallerClosed, Check, ForwardSend, RunFailed, T, event
+from swarm.trainer.clients import IdleClients
 from swarm.trainer.leases import CoordinatorShards
 from swarm.trainer.loop import run_training
 from swarm.trainer.membership import Membership
@@ -51,6 +52,8 @@ def step_hold_s(run: RunConfig) -> float:
 # WAIT_S, so that a peer listed in the DHT but gone (its record lives out its TTL) is not hammered.
 WAIT_S = 0.5
 RETRY_PAUSE_S = 0.05
+# A peer's client (its channel) is closed once unused for this long beyond the longest call (clients.py).
+CLIENT_IDLE_S = 30.0
 
 
 class SwarmCaller:
@@ -70,7 +73,8 @@ class SwarmCaller:
         self.trace = members.trainer_id
         self.call_timeout = call_timeout
         self.min_deadline = min(call_timeout, step_hold_s(run) + MIN_CALL_TIMEOUT_S)
-        self.clients: dict[tuple[str, str], StageClient] = {}  # by peer id and address
+        self.clients = IdleClients(self._new_client, self._close_client, call_timeout + CLIENT_IDLE_S)  # by id, address
+        self._closed_bytes = 0  # on the wire through the clients closed since
         self._generation = member.generation  # of the certificate the clients were made with
         self._clients_lock = threading.Lock()
         self.failures = 0
@@ -85,14 +89,16 @@ class SwarmCaller:
                 raise CallerClosed(f"peer {peer}: the trainer stopped")
             if self._generation != self.member.generation:  # a renewed certificate: new channels with it
                 self._generation = self.member.generation
-                for old in self.clients.values():
-                    old.close()
                 self.clients.clear()
-            if (peer, address) not in self.clients:
-                self.clients[peer, address] = StageClient(
-                    address, self.run, timeout=self.call_timeout, member=self.member, peer_id=peer
-                )
-            return self.clients[peer, address]
+            return self.clients.get((peer, address))
+
+    def _new_client(self, key: tuple[str, str]) -> StageClient:
+        peer, address = key
+        return StageClient(address, self.run, timeout=self.call_timeout, member=self.member, peer_id=peer)
+
+    def _close_client(self, client: StageClient) -> None:
+        self._closed_bytes += client.bytes_sent + client.bytes_received
+        client.close()
 
     def call(
         self,
@@ -200,7 +206,7 @@ class SwarmCaller:
 
     def bytes_on_wire(self) -> int:
         with self._clients_lock:
-            return sum(c.bytes_sent + c.bytes_received for c in self.clients.values())
+            return self._closed_bytes + sum(c.bytes_sent + c.bytes_received for c in self.clients.values())
 
     def counts(self) -> dict:
         return {"bad_answers": self.bad_answers}
