@@ -64,12 +64,20 @@ class StageSteps:
 
 
 def microbatch(
-    caller: StageCaller, batch: Batch, step: int, name: str, train: bool = True, steps: StageSteps | None = None
+    caller: StageCaller,
+    batch: Batch,
+    step: int,
+    name: str,
+    train: bool = True,
+    steps: StageSteps | None = None,
+    sent: list[str] | None = None,
 ) -> float:
     """Forward (and, when training, backward) one microbatch through every stage; its loss. `steps`:
-    told each stage's answers."""
+    told each stage's answers; `sent`: gets the microbatch's id before it is sent."""
     heard = steps.heard if steps is not None else lambda k, response: None
     mb_id = f"{caller.trace}-{name}"
+    if sent is not None:
+        sent.append(mb_id)
     last = caller.run.stages.count - 1
     samples = batch.inputs.shape[0]
     inputs: list[pb.Tensor] = [encode(batch.inputs)]
@@ -176,8 +184,10 @@ def run_training(
                 progress.note(desc)
             batches = draw(data, t.accumulation, t.micro_batch)
             reached = StageSteps(run.stages.count)
+            sent: list[str] = []  # the ids of this step's microbatches, for its record (benchmarks/ledger.py)
             jobs = [
-                pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached) for j, b in enumerate(batches)
+                pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached, sent=sent)
+                for j, b in enumerate(batches)
             ]
             losses = []
             for batch, job in zip(batches, jobs, strict=True):
@@ -203,6 +213,7 @@ def run_training(
                 microbatches=done,
                 samples=samples,
                 failures=caller.failures,
+                microbatch_ids=sent,
                 **caller.counts(),
             )
             if on_step:
