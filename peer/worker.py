@@ -251,12 +251,13 @@ class StageWorker:
         try:
             with contextlib.nullcontext() if locked else self.lock:
                 if accumulates(batch[0].work):
-                    batch, results = self._accumulate(kind, batch)
+                    batch, results = self._accumulate(kind, batch)  # (delayed before its commit)
                 else:
                     results = self._forward(batch)
             if not batch:
                 return
-            self.faults.delay(sum(t.samples for t in batch))
+            if not accumulates(batch[0].work):
+                self.faults.delay(sum(t.samples for t in batch))
         except Exception as err:  # a real fault: report it to every caller in the batch
             for task in batch:
                 resolve(task.future, error=err)
@@ -277,18 +278,22 @@ class StageWorker:
     def _accumulate(self, kind: str, batch: list[Task]) -> tuple[list[Task], list]:
         """Run work that adds to the stage's gradient (backward; the last stage's training forward)
         and keep its gradient only for callers that still wait: those who gave up while it ran (the
-        process was frozen, the call timed out) have retried elsewhere, and counting their
-        microbatch here too would count it twice. The batch's gradient goes to fresh buffers first
-        (`StagedGrads`); when some callers left, it is dropped and the rest is run again.
+        process was frozen, the call timed out or was cancelled) have retried elsewhere, and counting
+        their microbatch here too would count it twice. The batch's gradient goes to fresh buffers
+        first (`StagedGrads`); when some callers left, it is dropped and the rest is run again.
         Returns the tasks kept and their results."""
         while batch:
             staged = StagedGrads(self.stage)
             try:
                 results = self._backward(batch) if kind == "backward" else self._forward_loss(batch)
+                # A slower device's stand-in takes its time before the commit, as the compute would.
+                self.faults.delay(sum(t.samples for t in batch))
             except BaseException:
                 staged.drop()
                 raise
-            left = [not task.waiting() for task in batch]
+            # The commit point, under the lock that commits: each caller must still wait now, and is
+            # then promised its answer (`Task.claim`).
+            left = [not task.claim() for task in batch]
             if not any(left):
                 if self.stepper.stepping is not None:
                     staged.set_aside(self.stepper.stepping)  # for the step after the one that waits
