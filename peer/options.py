@@ -23,6 +23,9 @@ class Faults:
     corrupt_outputs: float = 0.0
     # A hostile peer: every tensor it answers with is one token short ("shape") or all NaN ("nan").
     malformed: str | None = None
+    # A faulty peer: the weight gradients it computes come out NaN (an overflow, a bad device), the
+    # answers it sends stay finite.
+    non_finite_grads: bool = False
     log_steps: Path | None = None  # one JSON line per optimizer step, naming the microbatches it applied
 
     def delay(self, samples: int) -> None:
@@ -43,6 +46,12 @@ class Faults:
         with torch.no_grad():
             noise = torch.randn_like(out) * (self.corrupt_outputs * out.float().pow(2).mean().sqrt())
         return out + noise
+
+    def spoil(self, module: torch.nn.Module) -> None:
+        """Make the gradient `module` just accumulated not finite, when this peer is the faulty kind."""
+        if self.non_finite_grads:
+            grad = next(p.grad for p in module.parameters() if p.grad is not None)
+            grad.fill_(float("nan"))
 
     def answer(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor this peer sends back in place of `tensor`."""

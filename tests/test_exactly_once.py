@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 
+from benchmarks.ledger import count
 from peer.options import Faults
 from peer.queue import Task
 from peer.requests import ForwardWork
@@ -27,6 +28,7 @@ from swarm.rpc import method_path, pb
 from swarm.wire import encode
 from tests.conftest import CONFIGS
 from tests.processes import start_peer
+from tests.test_swarm import ACCUMULATION, Swarm
 
 CONFIG = CONFIGS / "tiny.toml"
 RUN = load_config(CONFIG)
@@ -131,3 +133,33 @@ def test_calls_that_expired_or_were_cancelled_while_their_gradient_was_computed_
         client.close()
         proc.stop()
     assert proc.popen.returncode is not None
+
+
+# -- non-finite gradients -----------------------------------------------------------------------
+
+
+def test_a_peer_whose_gradients_come_out_non_finite_does_not_make_its_stage_step_early(tmp_path):
+    """A swarm of tiny.toml: a0 serves stage 0; b1 and n1 serve stage 1, and every weight gradient n1
+    computes comes out NaN (a test fault; its answers stay finite, so the trainer takes them). n1
+    must keep none of those samples: counted, they would complete stage 1's global batch early, and
+    b1's step would average fewer samples than a global batch. So n1 applies no microbatch, every
+    step b1 takes holds a whole global batch, and every microbatch sent reaches both stages."""
+    swarm = Swarm(tmp_path)
+    try:
+        swarm.add_peer("a0", 0)
+        swarm.add_peer("b1", 1)
+        swarm.add_peer("n1", 1, "--non-finite-grads")
+        swarm.wait_online(["a0", "b1", "n1"])
+        steps = 8
+        swarm.train(steps, 4, 20)
+        records = swarm.finish_training()
+        logs = swarm.applied()
+    finally:
+        swarm.close()
+    applied_by = {name: [s["microbatches"] for s in logs if s["peer"] == name] for name in ("b1", "n1")}
+    assert not [mb for step in applied_by["n1"] for mb in step], applied_by["n1"]
+    settled = applied_by["b1"][: steps - 1]  # the last step may be cut short by the end of the run
+    assert settled and all(len(ids) == ACCUMULATION for ids in settled), applied_by["b1"]
+    ledger = count(records, logs, stages=2, tail=1)
+    assert ledger.lost == 0 and ledger.applied_twice == 0, ledger.summary()
+    assert "dropped a non-finite gradient" in (tmp_path / "n1.log").read_text()
