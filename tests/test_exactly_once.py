@@ -9,6 +9,7 @@ loopback called over gRPC (by hand, or by a trainer through a coordinator's swar
 from __future__ import annotations
 
 import json
+import signal
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -28,7 +29,7 @@ from swarm.rpc import method_path, pb
 from swarm.wire import encode
 from tests.conftest import CONFIGS
 from tests.processes import start_peer
-from tests.test_swarm import ACCUMULATION, Swarm
+from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record, state
 
 CONFIG = CONFIGS / "tiny.toml"
 RUN = load_config(CONFIG)
@@ -163,3 +164,48 @@ def test_a_peer_whose_gradients_come_out_non_finite_does_not_make_its_stage_step
     ledger = count(records, logs, stages=2, tail=1)
     assert ledger.lost == 0 and ledger.applied_twice == 0, ledger.summary()
     assert "dropped a non-finite gradient" in (tmp_path / "n1.log").read_text()
+
+
+# -- the lost counter ---------------------------------------------------------------------------
+
+
+def test_gradients_that_die_with_a_killed_peer_are_counted_lost_and_none_before_it(tmp_path):
+    """A swarm of tiny.toml with a global batch of 8 microbatches: a0 serves stage 0, b1 and v1 stage 1.
+    Mid-run, while v1 holds gradients of microbatches it served toward its stage's next step (its
+    record counts more samples served than its step log applied), its whole process group gets
+    SIGKILL. The trainer had their answers and does not send them again, so their gradients died
+    with v1: the ledger must count them lost. The steps settled before the kill lost nothing, and
+    no microbatch was applied twice."""
+    config = tmp_path / "wide.toml"
+    config.write_text(TINY.read_text().replace("global_batch = 16", "global_batch = 64"))
+    micro = load_config(config).training.micro_batch
+    swarm = Swarm(tmp_path, config)
+    try:
+        for name, stage in (("a0", 0), ("b1", 1), ("v1", 1)):
+            swarm.add_peer(name, stage)
+        swarm.wait_online(["a0", "b1", "v1"])
+        steps = 12
+        swarm.train(steps, 4, 20)
+        swarm.wait_steps(4)  # steps settled before the kill, to count too
+        victim_log = tmp_path / "v1.steps"
+
+        def holds_gradients() -> bool:
+            served = (peer_record(state(swarm.url), "v1") or {}).get("samples_served", 0)
+            return served > micro * sum(len(ids) for ids in step_log(victim_log))
+
+        until(holds_gradients, "v1 never held gradients toward a step", timeout=120)
+        killed_after = len(swarm.records())
+        swarm.peers["v1"].stop(signal.SIGKILL)
+        assert killed_after < steps - 3, "the kill came too late to count"
+        records = swarm.finish_training()
+        logs = swarm.applied()
+    finally:
+        swarm.close()
+    # The trainer saw every microbatch through (the count the benchmarks used to call "lost" is 0) ...
+    assert records[-1]["microbatches"] == steps * load_config(config).training.accumulation
+    ledger = count(records, logs, stages=2)
+    assert ledger.lost > 0, ledger.summary()  # ... yet gradients died with v1
+    assert not ledger.missing[0], "stage 0 lost nothing: its only peer lived"
+    before = count(records[: max(0, killed_after - 2)], logs, stages=2, tail=0)
+    assert before.sent > 0 and before.lost == 0, before.summary()
+    assert ledger.applied_twice == 0, ledger.summary()
