@@ -23,10 +23,11 @@ polling its `--log-json` file: trainer start = min over lines of (time seen here
   S s right after the kill reads as about S s). Resolution: one step;
 - dip = the lowest window that starts within `--settle-s` after the kill, / tokens/s after; for
   scale, the share of the steady-after windows themselves below the threshold (noise);
-- microbatches lost = steps x accumulation - the trainer's final `microbatches` count;
-- applied twice = microbatch ids that appear more than once in the `--log-steps` files of one stage;
-- gradients never applied = training microbatch ids missing from every step log of a stage, apart
-  from those of the last steps still sitting in a live peer's accumulator when the run ends.
+- microbatches lost (benchmarks/ledger.py) = training microbatches the trainer sent (the ids its
+  records name) that no step in the `--log-steps` files of some stage applied, apart from those of
+  the last steps, which may still sit in a live peer's accumulator when the run ends;
+- applied twice = microbatch ids that more than one step of one stage applied;
+- microbatches completed = the trainer's final `microbatches` count (of steps x accumulation).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import ledger
 from benchmarks.common import (
     JsonTail,
     Proc,
@@ -59,8 +61,12 @@ from benchmarks.results import append_row
 from swarm.config import load_config
 
 # The table before this one ("failover: 2 peers per stage, one killed ...") was measured while the
-# replicas of a stage did not average and peers did not rebalance: another product.
-SECTION = "failover with averaging: 2 x 2 swarm, one peer killed (SIGKILL of its process group)"
+# replicas of a stage did not average and peers did not rebalance: another product. The one before
+# that ("failover with averaging: ...") counted as lost the microbatches the trainer did not complete,
+# which could not come out non-zero.
+SECTION = (
+    "failover with averaging: 2 x 2 swarm, one peer killed (SIGKILL of its process group); lost from the step logs"
+)
 ROOT = Path(__file__).resolve().parent.parent
 AFTER_GOAL = 0.675  # steady tokens/s after the kill ÷ before: 0.9 x the 3/4 of the peers left
 
@@ -110,11 +116,6 @@ def recovery(wins: list, kill: float, target: float, hold: int) -> tuple[float |
         if all(x[3] >= target for x in after[c : c + hold]):
             return after[c][0] - kill, after[c][2]
     return None, None
-
-
-def mb_step(mb_id: str) -> int:
-    """The trainer step of a microbatch id `{trace}-{step}.{i}`."""
-    return int(mb_id.rsplit("-", 1)[1].split(".")[0])
 
 
 def progress_notes(trainer_log: str) -> collections.Counter:
@@ -280,20 +281,8 @@ def run(args: argparse.Namespace) -> str:
     first_after = min((end for _, _, end in after_kill), default=float("nan")) - kill
 
     final = records[-1]
-    lost = args.steps * acc - final["microbatches"]
     retried = final.get("failures", 0)
-    trace = None
-    applied: dict[int, collections.Counter] = {k: collections.Counter() for k in range(cfg.stages.count)}
-    for s in step_logs:
-        for mb in s["microbatches"]:
-            applied[s["stage"]][mb] += 1
-            trace = trace or mb.rsplit("-", 1)[0]
-    twice = {k: sorted(mb for mb, n in c.items() if n > 1) for k, c in applied.items()}
-    issued = {f"{trace}-{s}.{i}" for s in range(args.steps) for i in range(acc)} if trace else set()
-    tail_from = args.steps - 3  # a live peer keeps < global_batch samples in its accumulator at the end
-    never = {k: sorted(issued - set(c), key=mb_step) for k, c in applied.items()}
-    never_mid = {k: [mb for mb in v if mb_step(mb) < tail_from] for k, v in never.items()}
-    never_end = {k: [mb for mb in v if mb_step(mb) >= tail_from] for k, v in never.items()}
+    counted = ledger.count(records, step_logs, cfg.stages.count)
     victim_steps = [s for s in step_logs if s["peer"] == victim_name]
     victim_mbs = sum(len(s["microbatches"]) for s in victim_steps)
     notes = progress_notes(trainer_out)
@@ -322,13 +311,9 @@ def run(args: argparse.Namespace) -> str:
         "steps with a retried call (s after the kill)": retry_at or "none",
         "first step completed after the kill": f"{first_after:.2f} s after it",
         "longest step after the kill": f"{longest[0]:.2f} s (step {longest[1]}); median before {step_before:.3f} s",
-        "microbatches lost (trainer)": f"{lost} ({final['microbatches']} of {args.steps * acc} completed)",
+        "microbatches completed (trainer)": f"{final['microbatches']} of {args.steps * acc}",
+        **counted.summary(),
         "calls retried": retried,
-        "applied twice": "; ".join(f"stage {k}: {len(v)}" for k, v in twice.items()),
-        "gradients never applied (mid-run)": "; ".join(
-            f"stage {k}: {len(v)} {v[:4] if v else ''}".strip() for k, v in never_mid.items()
-        ),
-        "left in accumulators at the end": "; ".join(f"stage {k}: {len(v)}" for k, v in never_end.items()),
         f"{victim_name}'s optimizer steps before the kill": (
             f"{len(victim_steps)} ({victim_mbs} microbatches, applied only to its weights, which died with it)"
         ),
@@ -344,10 +329,8 @@ def run(args: argparse.Namespace) -> str:
     goal = [
         "recovery met" if rec_s is not None and rec_s <= 5 else "recovery not met",
         "after met" if ratio >= AFTER_GOAL else "after not met",
-        "lost met" if lost == 0 else "lost not met",
+        "lost met" if counted.lost == 0 else "lost not met",
     ]
-    n_twice = sum(map(len, twice.values()))
-    n_never = sum(map(len, never_mid.values()))
     gone = f"{gone_s:.0f} s" if gone_s is not None else "-"
     mode = ("no rebalance" if args.no_rebalance else "rebalance on") + (
         f", during an all-reduce (+{args.allreduce_delay_s:g} s after a step)" if args.during_allreduce else ""
@@ -367,6 +350,7 @@ def run(args: argparse.Namespace) -> str:
             "dip (lowest window ÷ after)",
             "longest step after kill s",
             "moves",
+            "microbatches completed (trainer)",
             "microbatches lost",
             "calls retried",
             "applied twice",
@@ -385,9 +369,10 @@ def run(args: argparse.Namespace) -> str:
             f"{dip[3] / after:.2f} at +{dip[0] - kill:.0f} s" if dip else "-",
             f"{longest[0]:.2f}",
             moves,
-            lost,
+            f"{final['microbatches']} of {args.steps * acc}",
+            f"{counted.lost} of {counted.sent}",
             retried,
-            n_twice,
+            counted.applied_twice,
             f"goal recovery <= 5 s, after >= {AFTER_GOAL} x before (0.9 x 3/4 of the peers), lost 0: "
             f"{', '.join(goal)}; {skipped} stage step(s) skipped (their gradients died); "
             f"windows of {w} steps (per-step timing is noisy "
@@ -395,7 +380,7 @@ def run(args: argparse.Namespace) -> str:
             f"before = median of windows in [{args.warmup_s / 3:.0f} s, kill], after = median of windows starting "
             f">= {args.settle_s:.0f} s after the kill; recovery = start of the first window wholly after the kill "
             f"from which {args.hold} windows in a row are >= {args.threshold:.0%} of after; median step before "
-            f"{step_before:.3f} s; retries at {retry_at or '-'} s; {n_never} gradient(s) never applied mid-run; "
+            f"{step_before:.3f} s; retries at {retry_at or '-'} s; "
             f"peer gone from the coordinator's view after {gone}; eval off; 1 torch thread per peer; "
             f"load avg {load_avg:.1f} at start",
         ],

@@ -34,6 +34,9 @@ class Faults:
     lie_after: int | None = None
     # A hostile peer: every tensor it answers with is one token short ("shape") or all NaN ("nan").
     malformed: str | None = None
+    # A faulty peer: the weight gradients it computes come out NaN (an overflow, a bad device), the
+    # answers it sends stay finite.
+    non_finite_grads: bool = False
     log_steps: Path | None = None  # one JSON line per optimizer step, naming the microbatches it applied
     # A restless peer: moves to the next stage at every rebalancing check, whatever the swarm needs
     # (what a move leaves behind, tested without waiting for the swarm to need one).
@@ -75,6 +78,12 @@ class Faults:
             if rows is not None:
                 noise *= torch.tensor(rows, dtype=noise.dtype, device=noise.device).view(-1, *[1] * (out.dim() - 1))
         return out + noise.to(out.dtype)
+
+    def spoil(self, module: torch.nn.Module) -> None:
+        """Make the gradient `module` just accumulated not finite, when this peer is the faulty kind."""
+        if self.non_finite_grads:
+            grad = next(p.grad for p in module.parameters() if p.grad is not None)
+            grad.fill_(float("nan"))
 
     def answer(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor this peer sends back in place of `tensor`."""

@@ -33,8 +33,18 @@ class Task:
     enqueued: float = field(default_factory=time.perf_counter, compare=False)
 
     def waiting(self) -> bool:
-        """Whether the caller still waits for the answer."""
-        return self.active is None or self.active()
+        """Whether the caller still waits for the answer: its call is live (`active`), and the service
+        has not given up on the future (a request that waited longer than `serve.request_timeout_s`)."""
+        return not self.future.cancelled() and (self.active is None or self.active())
+
+    def claim(self) -> bool:
+        """At the commit of this task's gradient: whether its caller still waits, and if so promise it
+        the answer. The future is marked running, so the service can no longer cancel it (and answer
+        the caller DEADLINE_EXCEEDED) after the gradient was kept: a cancel either comes first and
+        the gradient is dropped, or fails and the caller gets its answer (peer/service.py `_wait`)."""
+        if not self.waiting():
+            return False
+        return self.future.running() or self.future.set_running_or_notify_cancel()
 
     def uncached(self) -> Task:
         """This task to be run again from its input alone: a recorded forward's graph is spent once its

@@ -95,7 +95,10 @@ class StageService:
         try:
             return future.result(timeout=timeout)
         except futures.TimeoutError:
-            future.cancel()
+            if not future.cancel():
+                # The worker is committing this request's gradient (peer/queue.py `Task.claim`): the
+                # answer is moments away, and a caller told DEADLINE_EXCEEDED would retry it elsewhere.
+                return future.result(timeout=self.run.serve.request_timeout_s)
             raise RequestError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"request waited {timeout:.0f} s in the queue"
             ) from None

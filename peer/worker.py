@@ -29,6 +29,7 @@ import grpc
 import torch
 import torch.nn.functional as F
 
+from peer.averaging import grads_finite
 from peer.checkpoint import Checkpoint, CheckpointWriter
 from peer.options import NO_FAULTS, Faults
 from peer.queue import Task, WorkQueue, accumulates, gave_up, resolve, still_waiting
@@ -253,12 +254,13 @@ class StageWorker:
         try:
             with contextlib.nullcontext() if locked else self.lock:
                 if accumulates(batch[0].work):
-                    batch, results = self._accumulate(kind, batch)
+                    batch, results = self._accumulate(kind, batch)  # (delayed before its commit)
                 else:
                     results = self._forward(batch)
             if not batch:
                 return
-            self.faults.delay(sum(t.samples for t in batch))
+            if not accumulates(batch[0].work):
+                self.faults.delay(sum(t.samples for t in batch))
         except Exception as err:  # a real fault: report it to every caller in the batch
             for task in batch:
                 resolve(task.future, error=err)
@@ -279,18 +281,30 @@ class StageWorker:
     def _accumulate(self, kind: str, batch: list[Task]) -> tuple[list[Task], list]:
         """Run work that adds to the stage's gradient (backward; the last stage's training forward)
         and keep its gradient only for callers that still wait: those who gave up while it ran (the
-        process was frozen, the call timed out) have retried elsewhere, and counting their
-        microbatch here too would count it twice. The batch's gradient goes to fresh buffers first
-        (`StagedGrads`); when some callers left, it is dropped and the rest is run again.
-        Returns the tasks kept and their results."""
+        process was frozen, the call timed out or was cancelled) have retried elsewhere, and counting
+        their microbatch here too would count it twice. The batch's gradient goes to fresh buffers
+        first (`StagedGrads`); when some callers left, it is dropped and the rest is run again.
+
+        A gradient that is not finite is dropped too, and its samples not counted: counted, they
+        would complete the stage's global batch early, and the step would average fewer samples than
+        it says. Its callers get an error and retry on another peer (one of a batch is run again alone
+        first: another's gradient may be the one to blame). Returns the tasks kept and their results."""
         while batch:
             staged = StagedGrads(self.stage)
             try:
                 results = self._backward(batch) if kind == "backward" else self._forward_loss(batch)
+                self.faults.spoil(self.stage)
+                # A slower device's stand-in takes its time before the commit, as the compute would.
+                self.faults.delay(sum(t.samples for t in batch))
             except BaseException:
                 staged.drop()
                 raise
-            left = [not task.waiting() for task in batch]
+            if not grads_finite(self.stage):
+                staged.drop()
+                return self._non_finite(kind, batch)
+            # The commit point, under the lock that commits: each caller must still wait now, and is
+            # then promised its answer (`Task.claim`).
+            left = [not task.claim() for task in batch]
             if not any(left):
                 if self.stepper.stepping is not None:
                     staged.set_aside(self.stepper.stepping)  # for the step after the one that waits
@@ -304,6 +318,20 @@ class StageWorker:
                 if gone:
                     gave_up(task)
             batch = [task.uncached() for task, gone in zip(batch, left, strict=True) if not gone]
+        return [], []
+
+    def _non_finite(self, kind: str, batch: list[Task]) -> tuple[list[Task], list]:
+        """A batch whose gradient came out NaN or Inf: each of several is run again alone; one alone is refused."""
+        if len(batch) > 1:
+            kept, results = [], []
+            for task in batch:
+                k, r = self._accumulate(kind, [task.uncached()])
+                kept += k
+                results += r
+            return kept, results
+        log.warning(f"stage {self.stage_index}: dropped a non-finite gradient of {batch[0].samples} samples")
+        err = RequestError(grpc.StatusCode.INTERNAL, "the gradient came out NaN or Inf on this peer; it was not kept")
+        resolve(batch[0].future, error=err)
         return [], []
 
     def _measure(self, kind: str, batch: list[Task], sec: float) -> None:

@@ -207,6 +207,7 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
             corrupt_outputs=args.corrupt_outputs,
             lie_after=args.lie_after,
             malformed=args.malformed,
+            non_finite_grads=args.non_finite_grads,
             log_steps=args.log_steps,
             restless=args.restless,
         ),
@@ -605,6 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--lie-after", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--malformed", choices=("shape", "nan"), default=None, help=argparse.SUPPRESS)
     peer.add_argument("--restless", action="store_true", help=argparse.SUPPRESS)
+    peer.add_argument("--non-finite-grads", action="store_true", help=argparse.SUPPRESS)
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
     peer.add_argument("--dht-port", type=port_number, default=0, help="the DHT node's port (default: any free port)")

@@ -72,12 +72,16 @@ def microbatch(
     train: bool = True,
     steps: StageSteps | None = None,
     key: bytes | None = None,
+    sent: list[str] | None = None,
 ) -> float:
     """Forward (and, when training, backward) one microbatch through every stage; its loss. `steps`:
     told each stage's answers; `key`: the trainer's secret, with which the peers see the microbatch's
-    name (e.g. "12.3": step and index) as an opaque id (None: as it is)."""
+    name (e.g. "12.3": step and index) as an opaque id (None: as it is); `sent`: gets the
+    microbatch's id before it is sent."""
     heard = steps.heard if steps is not None else lambda k, response: None
     mb_id = f"{caller.trace}-{name if key is None else opaque_id(key, name)}"
+    if sent is not None:
+        sent.append(mb_id)
     last = caller.run.stages.count - 1
     samples = batch.inputs.shape[0]
     inputs: list[pb.Tensor] = [encode(batch.inputs)]
@@ -185,8 +189,9 @@ def run_training(
                 progress.note(desc)
             batches = draw(data, t.accumulation, t.micro_batch)
             reached = StageSteps(run.stages.count)
+            sent: list[str] = []  # the ids of this step's microbatches, for its record (benchmarks/ledger.py)
             jobs = [
-                pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached, key=key)
+                pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached, key=key, sent=sent)
                 for j, b in enumerate(batches)
             ]
             losses = []
@@ -214,6 +219,7 @@ def run_training(
                 microbatches=done,
                 samples=samples,
                 failures=caller.failures,
+                microbatch_ids=sent,
                 **caller.counts(),
             )
             if on_step:
