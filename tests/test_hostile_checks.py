@@ -7,9 +7,10 @@ a loopback address of its own (a machine of its own, unless two ids share one), 
   checked. The checks are keyed by the trainer's secret, the ids it sees are opaque and inner-stage
   checks look like training calls: it lies where it is checked, and is banned.
 - Two Sybil ids on one machine tell the same lie. Votes count once per host: they can neither
-  confirm each other's answers nor outvote an honest peer, and the two honest machines outvote them.
+  confirm each other's answers nor outvote an honest peer, and two honest machines outvote them.
 
-For each: every step completes, the liars are banned, no honest peer is, and the final validation
+For each: every step completes, the liars are banned where a majority of machines is honest, no
+honest peer is ever banned, and the final validation
 loss is at most 3% above the reference trainer's (`swarm train --local`, the same config and steps;
 an honest swarm of tiny.toml ends 20 steps a few percent below it, its shards being leased in another
 order, so the bound is one-sided: what an attack may not do is make the model worse).
@@ -21,8 +22,9 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cli
-from tests.processes import wait_for_state
 from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
 
 STEPS = 20
@@ -79,23 +81,34 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_p
         swarm.close()
 
 
-def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(tmp_path):
+@pytest.mark.parametrize("honest", [1, 2])
+def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(tmp_path, honest):
+    """Beside one honest machine the two Sybils are one voter against one: nobody can tell who is
+    right, the disagreements are counted and nobody is banned (the Sybils used to outvote the honest
+    peer and have it banned). Beside two honest machines they are outvoted and banned."""
     config = checked_config(tmp_path, 0.5)
     swarm = Swarm(tmp_path, config)
     try:
         swarm.add_peer("s0", 0)
-        swarm.add_peer("honest1a", 1)
-        swarm.add_peer("honest1b", 1)
+        honest_names = [f"honest1{c}" for c in "ab"[:honest]]
+        for name in honest_names:
+            swarm.add_peer(name, 1)
         for name in ("sybil1", "sybil2"):  # one machine, two ids, the same lie
             swarm.add_peer(name, 1, "--host", "127.0.0.99", "--corrupt-outputs", "0.5")
-        state = swarm.wait_online(["s0", "honest1a", "honest1b", "sybil1", "sybil2"])
-        ids = {name: peer_record(state, name)["peer_id"] for name in ("honest1a", "honest1b", "sybil1", "sybil2")}
+        state = swarm.wait_online(["s0", *honest_names, "sybil1", "sybil2"])
+        ids = {name: peer_record(state, name)["peer_id"] for name in (*honest_names, "sybil1", "sybil2")}
         swarm.train(STEPS, 4, 20)
-        assert_trained_like_the_reference(swarm, config, tmp_path)
+        if honest == 2:
+            records = assert_trained_like_the_reference(swarm, config, tmp_path)
+        else:  # half the stage's answers are lies nobody can single out: no bound on the loss
+            records = swarm.finish_training()
+            assert len(records) == STEPS and records[-1]["microbatches"] == STEPS * ACCUMULATION
         out = swarm.trainer.output()
         banned = {peer for peer, _ in banned_peers(out)}
-        assert banned == {ids["sybil1"], ids["sybil2"]}, out[-3000:]  # both Sybils, no honest peer
-        s = wait_for_state(swarm.url, lambda s: len(s["trainers"][0].get("spot_banned", {})) == 2, timeout=15)
-        assert s["trainers"][0]["spot_banned"] == {ids["sybil1"]: 1, ids["sybil2"]: 1}
+        assert not banned & {ids[n] for n in honest_names}, out[-3000:]  # no honest peer, ever
+        if honest == 2:
+            assert banned == {ids["sybil1"], ids["sybil2"]}, out[-3000:]
+        else:
+            assert not banned and records[-1]["spot_disagreements"] >= 2, records[-1]
     finally:
         swarm.close()
