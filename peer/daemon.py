@@ -10,7 +10,7 @@ the seeded init: the record's `weights_from` says which), start the stage worker
 Checkpoints (peer/checkpoint.py): with a checkpoint folder, the worker saves its stage's state every
 `checkpoint_every` steps in the background. When the peer starts serving a stage (on joining, and
 after a move), its newest intact checkpoint of that stage is loaded instead of the live peers'
-state when its step is above every online peer's (as their records say), or when there is no
+state when its step is above what most online peers of the stage announce, or when there is no
 online peer; also when loading from the live peers brings an older state than the checkpoint (the
 records were of peers that died since). Otherwise the live peers' state wins, as without one.
 
@@ -62,6 +62,7 @@ from swarm.records import (
     shutdown_dht,
     visible_maddrs,
 )
+from swarm.steps import majority_step, others_step
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,8 @@ class PeerDaemon:
         return self.record.public_name
 
     def announce(self, timeout: float | None = REFRESH_S, **update) -> None:
+        if "optimizer_steps" in update:
+            update["optimizer_steps"] = self.options.faults.claimed_steps(update["optimizer_steps"])
         self.record = self.record.model_copy(update=update)
         announce_peer(self.dht, self.run.run_id, self.record, timeout=timeout)
 
@@ -139,6 +142,7 @@ class PeerDaemon:
             checkpoints = CheckpointWriter(opts.checkpoint_dir, self.run, stage, opts.checkpoint_every)
         self.worker = StageWorker(self.run, stage, self.device, self.dht, checkpoints, opts.faults, opts.inflight)
         source = self.take_state(stage)
+        self.track_swarm()  # before it serves: no request may move it past the swarm's step
         # The port stays the same across moves, so the address the trainers know stays right.
         self.server, _, self.port = start_server(self.worker, opts.host, self.port, member=self.member)
         self.announce(
@@ -169,7 +173,7 @@ class PeerDaemon:
         checkpoint = latest_checkpoint(folder, self.run, stage) if folder else None
         live = [] if checkpoint is None else self.live_steps(stage)
         source = None
-        if checkpoint is None or (live and checkpoint.step <= max(live)):
+        if checkpoint is None or (live and checkpoint.step <= majority_step(live)):
             source = self.worker.updater.load_state()
             if checkpoint is None or self.worker.optimizer_steps >= checkpoint.step:
                 return source
@@ -228,10 +232,17 @@ class PeerDaemon:
             f"worker {time.monotonic() - drained:.1f} s)"
         )
 
-    def watch(self) -> SwarmView | None:
-        """Read the swarm; the view when it is steady enough to rebalance on (swarm/rebalance.py:
-        `Steadiness`), else None. Called at every refresh, so that a change between two checks is seen."""
+    def track_swarm(self) -> SwarmView:
+        """Read the swarm, and tell the worker the step most of the other machines announce: how far a
+        request may move it (peer/stepper.py `admit`)."""
         view = read_swarm(self.dht, self.run.run_id, self.run.stages.count)
+        self.worker.stepper.swarm_step = others_step(view, self.record.peer_id)
+        return view
+
+    def watch(self) -> SwarmView | None:
+        """`track_swarm`; the view when it is steady enough to rebalance on (swarm/rebalance.py:
+        `Steadiness`), else None. Called at every refresh, so that a change between two checks is seen."""
+        view = self.track_swarm()
         return view if self.steadiness.observe(view, get_dht_time()) else None
 
     def rebalance(self, view: SwarmView) -> None:
@@ -324,7 +335,11 @@ def run_peer(options: PeerOptions) -> int:
                 break  # and leave as on SIGTERM
             peer.refresh()
             # A check that falls due while the swarm is unsteady waits for it to settle.
-            view = peer.watch() if options.rebalance else None
+            if options.rebalance:
+                view = peer.watch()
+            else:
+                view = None
+                peer.track_swarm()
             if options.faults.restless and time.monotonic() >= check_at:
                 peer.move((peer.record.stage + 1) % run.stages.count)
                 check_at = next_check()

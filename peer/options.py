@@ -1,7 +1,7 @@
 """A peer's options, built once from the command line (swarm/cli.py) and passed down as they are.
 
 `Faults` holds what only tests set: a peer that stands in for a slower device, one that lies about
-its outputs, one that logs the microbatches each optimizer step applied, one that keeps moving
+its outputs or its step, one that logs the microbatches each optimizer step applied, one that keeps moving
 between stages. A normal peer has none
 (`Faults()`), and the code that injects them lives here, out of the worker's normal path.
 """
@@ -41,6 +41,8 @@ class Faults:
     # A restless peer: moves to the next stage at every rebalancing check, whatever the swarm needs
     # (what a move leaves behind, tested without waiting for the swarm to need one).
     restless: bool = False
+    # A hostile peer: says its stage took this many optimizer steps, in its record and its answers.
+    claim_steps: int | None = None
     _forwards: list[int] = field(default_factory=lambda: [0], compare=False)  # training forwards answered
 
     def delay(self, samples: int) -> None:
@@ -84,6 +86,10 @@ class Faults:
         if self.non_finite_grads:
             grad = next(p.grad for p in module.parameters() if p.grad is not None)
             grad.fill_(float("nan"))
+
+    def claimed_steps(self, steps: int) -> int:
+        """The optimizer steps this peer says its stage took (or reached), having taken `steps`."""
+        return steps if self.claim_steps is None else self.claim_steps
 
     def answer(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor this peer sends back in place of `tensor`."""

@@ -14,13 +14,11 @@ import grpc
 import torch
 
 from swarm.config import RunConfig
+from swarm.records import MAX_STEP  # the highest global step a request may name
 from swarm.rpc import pb
 from swarm.wire import FLOAT_DTYPES, WireError, all_finite, check, decode
 
 MAX_ID_LENGTH = 128
-# The highest global step a request may name. No run takes this many steps; a request naming more
-# would have the stage skip to it (peer/worker.py: _catch_up).
-MAX_STEP = 2**31 - 1
 
 
 class RequestError(Exception):

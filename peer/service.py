@@ -103,6 +103,10 @@ class StageService:
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"request waited {timeout:.0f} s in the queue"
             ) from None
 
+    def _stage_step(self, future: futures.Future) -> int:
+        """The step the stage reached with this request (peer/stepper.py `stage_step`), as this peer says."""
+        return self.worker.faults.claimed_steps(future.stage_step)
+
     # -- the RPCs ----------------------------------------------------------------------------
 
     def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
@@ -110,7 +114,7 @@ class StageService:
         future = self.worker.submit(work, lambda: caller_waiting(context))
         result = self._wait(future, context)
         response = pb.ForwardResponse(
-            loss=result.loss, queue_s=getattr(future, "queue_s", 0.0), stage_step=future.stage_step
+            loss=result.loss, queue_s=getattr(future, "queue_s", 0.0), stage_step=self._stage_step(future)
         )
         answer = self.worker.faults.answer
         if result.output is not None:
@@ -123,7 +127,7 @@ class StageService:
         work = parse_backward(request, self.shape, self.worker.claim_cached)
         future = self.worker.submit(work, lambda: caller_waiting(context))
         grad = self._wait(future, context)
-        response = pb.BackwardResponse(queue_s=getattr(future, "queue_s", 0.0), stage_step=future.stage_step)
+        response = pb.BackwardResponse(queue_s=getattr(future, "queue_s", 0.0), stage_step=self._stage_step(future))
         if grad is not None:
             response.input_grad.CopyFrom(encode(self.worker.faults.answer(grad), self.codec))
         return response

@@ -16,7 +16,10 @@ Requests carry the global step whose weights they need: a training request for s
 weights after s steps, so a worker that has not yet taken step s - 1 finishes it first (waiting for
 the stage's count, at most `averaging.sync_timeout_s`). A worker that missed steps takes the stage's
 state from its live peers (`resync`); steps whose gradients died with the peers that served them
-are skipped, so that the stage's step count stays the swarm's global step.
+are skipped, so that the stage's step count stays the swarm's global step. Neither is taken on one
+caller's word: a request naming a step ahead of both this replica and what a majority of the swarm's
+machines announce is refused (`admit`, swarm/steps.py), and requests make a replica download the
+stage's state at most once per step of its own.
 
 The stages' steps line up by count: a batch of work that adds to the gradient stops at the global
 batch (`room`), so that every stage's step n holds the n-th global batch of the samples it served.
@@ -49,10 +52,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import grpc
 import torch
 
 from peer.averaging import LocalUpdater, SwarmUpdater
 from peer.checkpoint import Checkpoint, CheckpointWriter, Snapshot
+from peer.requests import RequestError
 from swarm.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -198,6 +203,10 @@ class Stepper:
         self.samples_pending = 0  # ... since the last optimizer step
         self.waited_s = 0.0  # time the compute thread spent in catch_up waiting for a step
         self._next_resync = 0.0
+        self._resynced_at: int | None = None  # this replica's step when a request last had it resync
+        # The step a majority of the swarm's other machines announce (swarm/steps.py `others_step`),
+        # kept current by the peer's daemon; None: no view of a swarm (a stage served by hand).
+        self.swarm_step: int | None = None
         self.skipped_steps: list[range] = []  # global steps whose gradients never reached this stage (catch_up)
         # While a step runs (it may wait for the other stages' gradient norms), the compute thread
         # serves the work that does not need it; that work's gradients go here (worker.py: _serve_aside).
@@ -243,6 +252,21 @@ class Stepper:
             self.invalidate()
         return source
 
+    def admit(self, step: int) -> None:
+        """Refuse work for a step ahead of both this replica and the swarm's majority: it would have
+        the stage download its state again and again, or skip to that step (`catch_up`), on the word
+        of one caller. A trainer names the step the stages reached (at most one past this replica's,
+        or past what most machines announce when this replica is the one behind), so an honest one
+        is refused only in the seconds before the records of a step just taken are announced, and
+        it retries on another peer."""
+        known = self.swarm_step
+        if known is not None and step > max(self.optimizer_steps, known) + 1:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"step: {step} is ahead of the swarm: a majority of its machines announce step {known}, "
+                f"this stage is at step {self.optimizer_steps}",
+            )
+
     def catch_up(self, step: int) -> None:
         """Work for global step `step` needs the weights after `step` steps: take the step before it
         first, once the stage has served its batch (or the wait for the count times out).
@@ -251,8 +275,13 @@ class Stepper:
         a live peer of the stage (the peers that served it died with its gradients) is skipped, not
         left to shift every later step by one (each later step would then wait for a count that never
         comes, and exchange gradient norms with the other stages under the wrong step)."""
+        known = self.swarm_step
+        if known is not None:
+            step = min(step, max(self.optimizer_steps, known) + 1)  # as `admit` let through
         if step > self.optimizer_steps + 1:
-            self.resync()  # the peer missed steps: take the stage's state
+            if self._resynced_at != self.optimizer_steps:  # one download per step, whatever the requests say
+                self._resynced_at = self.optimizer_steps
+                self.resync()  # the peer missed steps: take the stage's state
             if step > self.optimizer_steps + 1:
                 # No live peer of the stage is past them, so none holds their gradients either.
                 self._skip_to(step, "no live peer of the stage took them")

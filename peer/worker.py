@@ -138,7 +138,9 @@ class StageWorker:
     # -- submitting work -------------------------------------------------------------------
 
     def submit(self, work: ForwardWork | BackwardWork, active: Callable[[], bool] | None = None) -> Future:
-        """Queue work; `active` tells whether the caller still waits (cancelled work is skipped)."""
+        """Queue work; `active` tells whether the caller still waits (cancelled work is skipped).
+        Work for a step far ahead of the swarm is refused (`RequestError`, peer/stepper.py `admit`)."""
+        self.stepper.admit(work.step)
         return self.queue.submit(work, active)
 
     def load_parameters(self, params: dict[str, torch.Tensor]) -> None:

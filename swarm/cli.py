@@ -113,7 +113,7 @@ def run_failed_is_an_error() -> Iterator[None]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from swarm.trainer.options import TrainerOptions
+    from swarm.trainer.options import TrainerFaults, TrainerOptions
 
     stop_on_signals()
 
@@ -130,6 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         verify_fraction=args.verify_fraction,
         join_token=args.join_token,
         join_wait=args.join_wait,
+        faults=TrainerFaults(start_step=args.start_step),
     )
     if args.coordinator:
         if args.local or args.peers or args.config:
@@ -210,6 +211,7 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
             non_finite_grads=args.non_finite_grads,
             log_steps=args.log_steps,
             restless=args.restless,
+            claim_steps=args.claim_steps,
         ),
     )
 
@@ -573,6 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_join_token(train, "the run's join token, if it has one (with --peers: the stage workers')")
     add_join_wait(train)
+    # Faults for tests (swarm/trainer/options.py: TrainerFaults), hidden from --help.
+    train.add_argument("--start-step", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     train.set_defaults(func=cmd_train)
 
     peer = sub.add_parser(
@@ -607,6 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--malformed", choices=("shape", "nan"), default=None, help=argparse.SUPPRESS)
     peer.add_argument("--restless", action="store_true", help=argparse.SUPPRESS)
     peer.add_argument("--non-finite-grads", action="store_true", help=argparse.SUPPRESS)
+    peer.add_argument("--claim-steps", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
     peer.add_argument("--dht-port", type=port_number, default=0, help="the DHT node's port (default: any free port)")

@@ -38,6 +38,7 @@ from swarm.identity import Member
 from swarm.join import fetch_join, join_run
 from swarm.model import Stage
 from swarm.records import PeerRecord
+from swarm.steps import host_votes, majority_step
 from swarm.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from swarm.wire import WireError, decode
 
@@ -250,7 +251,9 @@ class _LiveSwarm(BaseModel):
 
 
 def read_live_peers(coordinator: str, run: RunConfig) -> list[list[PeerRecord]]:
-    """Each stage's online peers, most optimizer steps first, from the coordinator's view of the DHT."""
+    """Each stage's online peers, most optimizer steps first, from the coordinator's view of the DHT;
+    peers that announce more steps than most of the stage's machines do come last (swarm/steps.py:
+    any member may announce any step, to have its weights taken)."""
     url = coordinator.rstrip("/") + "/api/v1/state"
     try:
         response = httpx.get(url, timeout=10.0)
@@ -261,9 +264,10 @@ def read_live_peers(coordinator: str, run: RunConfig) -> list[list[PeerRecord]]:
     stages: list[list[PeerRecord]] = [[] for _ in range(run.stages.count)]
     for stage in live.stages:
         if 0 <= stage.index < run.stages.count:
+            online = [p for p in stage.peers if p.state == "online" and p.address]
+            majority = majority_step(host_votes(online))
             stages[stage.index] = sorted(
-                (p for p in stage.peers if p.state == "online" and p.address),
-                key=lambda p: (-p.optimizer_steps, p.public_name, p.peer_id),
+                online, key=lambda p: (p.optimizer_steps > majority, -p.optimizer_steps, p.public_name, p.peer_id)
             )
     return stages
 

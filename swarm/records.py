@@ -98,7 +98,7 @@ class PeerRecord(BaseModel):
     started: float = 0.0
     updated: float = 0.0
     samples_served: int = Field(0, ge=0)
-    optimizer_steps: int = Field(0, ge=0)
+    optimizer_steps: int = Field(0, ge=0, le=MAX_STEP)
     weights_from: str = ""  # where the stage's state came from: live peers, the seeded init, a checkpoint
     moving_to: int | None = Field(None, ge=0)  # set while leaving this stage for another one
     dht_addrs: list[str] = Field(default_factory=list)  # its DHT node's multiaddrs: a restarted coordinator's way in

@@ -71,6 +71,15 @@ class StageCaller(Protocol):
         """One forward call of microbatch `name` to `stage`; `send(client, train)` makes it."""
         ...
 
+    def ceiling(self) -> int | None:
+        """The furthest step the trainer may name next, whatever the stages' answers say: one past the
+        swarm's step as most of its machines announce it (None: the answers are all there is)."""
+        ...
+
+    def host(self, stage: int, peer: str) -> str:
+        """The machine of `stage`'s worker `peer` (as `call` names it): peers that share one say one thing."""
+        ...
+
     def paused(self) -> bool:
         """Whether the operator paused the run: no new global step starts."""
         ...

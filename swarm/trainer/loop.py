@@ -27,6 +27,7 @@ from swarm.config import RunConfig
 from swarm.data import Batch, DataExhausted, LocalShards, ShardSource, TrainStream, shards
 from swarm.progress import RunLog, eval_due
 from swarm.rpc import pb
+from swarm.steps import majority_step
 from swarm.tokenizer import load_tokenizer
 from swarm.trainer.caller import StageCaller
 from swarm.verify import new_key, opaque_id
@@ -37,21 +38,48 @@ PAUSE_CHECK_S = 1.0  # while the operator keeps the run paused, look again this 
 
 class StageSteps:
     """The global step each stage said it reached (`stage_step`) in its answers to one step's
-    microbatches, the highest; from them, the step of the trainer's next microbatches."""
+    microbatches; from them, the step of the trainer's next microbatches.
 
-    def __init__(self, stages: int):
-        self.reached = [0] * stages
+    A stage's word is what a majority of the machines that answered for it said (each machine: the
+    highest step its peers said; `host(stage, peer)` names a peer's machine), as for the swarm's step
+    (swarm/steps.py): a peer answering a huge step cannot send the trainer there, where every honest
+    peer would refuse its work (peer/stepper.py `admit`). Peers that answered only before their stage's
+    batch filled say a step less, so with replicas the word may lag: the trainer then names an older
+    step, whose work the stages count toward their current one. When a liar gave all of a stage's
+    answers of a step, the swarm's records still bound what the trainer names (`ceiling`)."""
+
+    def __init__(
+        self,
+        stages: int,
+        host: Callable[[int, str], str] = lambda stage, peer: peer,
+        ceiling: Callable[[], int | None] = lambda: None,
+    ):
+        """`ceiling()`: the furthest step the swarm's records allow (StageCaller.ceiling)."""
+        self.said: list[dict[str, int]] = [{} for _ in range(stages)]  # per stage: machine -> step
+        self.host, self.ceiling = host, ceiling
         self.lock = threading.Lock()  # the microbatches' threads answer at once
 
-    def heard(self, stage: int, response: pb.ForwardResponse | pb.BackwardResponse) -> None:
+    def heard(self, stage: int, peer: str, response: pb.ForwardResponse | pb.BackwardResponse) -> None:
+        machine = self.host(stage, peer)
         with self.lock:
-            self.reached[stage] = max(self.reached[stage], response.stage_step)
+            said = self.said[stage]
+            said[machine] = max(said.get(machine, 0), response.stage_step)
+
+    @property
+    def reached(self) -> list[int]:
+        with self.lock:
+            return [majority_step(said.values()) for said in self.said]
 
     def next_step(self, step: int) -> int:
         """The step after `step`: the one every stage reached with the samples it served, which is
         `step` + 1 when this trainer's samples were all the stages counted, and more when other
-        trainers' samples took them further (never less: a peer too old to say counts as 0)."""
-        return max(step + 1, min(self.reached))
+        trainers' samples took them further (never less: a peer too old to say counts as 0), up to
+        the `ceiling` the swarm's records set (when a stage's every answer came from a liar)."""
+        furthest = min(self.reached)
+        ceiling = self.ceiling()
+        if ceiling is not None:
+            furthest = min(furthest, ceiling)
+        return max(step + 1, furthest)
 
     def label(self, step: int) -> int:
         """The step to name in the microbatches of the step after `step` (`next_step`): that step
@@ -78,7 +106,7 @@ def microbatch(
     told each stage's answers; `key`: the trainer's secret, with which the peers see the microbatch's
     name (e.g. "12.3": step and index) as an opaque id (None: as it is); `sent`: gets the
     microbatch's id before it is sent."""
-    heard = steps.heard if steps is not None else lambda k, response: None
+    heard = steps.heard if steps is not None else lambda k, peer, response: None
     mb_id = f"{caller.trace}-{name if key is None else opaque_id(key, name)}"
     if sent is not None:
         sent.append(mb_id)
@@ -106,12 +134,12 @@ def microbatch(
         out, peer = caller.forward(
             k, samples, name, train, lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t), output_ok
         )
-        heard(k, out)
+        heard(k, peer, out)
         inputs.append(out.output)
         served_by.append(peer)
     scale = samples / caller.run.training.global_batch
     targets = encode(batch.targets)
-    out, _ = caller.forward(
+    out, peer = caller.forward(
         last,
         samples,
         name,
@@ -119,19 +147,19 @@ def microbatch(
         lambda c, t: c.forward(last, inputs[last], mb_id, step, targets=targets, train=t, loss_scale=scale),
         loss_ok,
     )
-    heard(last, out)
+    heard(last, peer, out)
     if train:
         grad = out.input_grad
         for k in range(last - 1, -1, -1):
             # The worker that ran the forward may still hold its graph: try it first.
-            back, _ = caller.call(
+            back, peer = caller.call(
                 k,
                 samples,
                 lambda c, k=k, g=grad: c.backward(k, inputs[k], g, mb_id, step),
                 prefer=served_by[k],
                 check=grad_ok if k > 0 else None,
             )
-            heard(k, back)
+            heard(k, peer, back)
             grad = back.input_grad
     return out.loss
 
@@ -188,7 +216,7 @@ def run_training(
                     time.sleep(PAUSE_CHECK_S)
                 progress.note(desc)
             batches = draw(data, t.accumulation, t.micro_batch)
-            reached = StageSteps(run.stages.count)
+            reached = StageSteps(run.stages.count, caller.host, caller.ceiling)
             sent: list[str] = []  # the ids of this step's microbatches, for its record (benchmarks/ledger.py)
             jobs = [
                 pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached, key=key, sent=sent)

@@ -33,14 +33,9 @@ from swarm.records import (
     shutdown_dht,
 )
 from swarm.routing import Router
+from swarm.steps import host_of, swarm_step
 from swarm.trainer.caller import event
 from swarm.verify import SpotChecks
-
-
-def host_of(address: str) -> str:
-    """ "HOST:PORT" -> "HOST" (also "[V6]:PORT" -> "V6")."""
-    host = address.rsplit(":", 1)[0]
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 class Membership:
@@ -67,6 +62,7 @@ class Membership:
         self._routers = [Router() for _ in range(self.num_stages)]
         self._addresses: list[dict[str, str]] = [{} for _ in range(self.num_stages)]
         self._control = ControlState()
+        self._swarm_step = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.refresh()
@@ -84,6 +80,7 @@ class Membership:
         now = time.monotonic()
         with self._lock:
             self._control = control
+            self._swarm_step = swarm_step(view)
             for k in range(self.num_stages):
                 online = [p for p in view.online(k) if p.peer_id not in removed and p.peer_id not in self.spot.banned]
                 self._routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
@@ -119,10 +116,11 @@ class Membership:
             return self._control.paused
 
     def swarm_step(self) -> int:
-        """The global step the stages are at: where a joining trainer starts."""
-        view = read_swarm(self.dht, self.run.run_id, self.num_stages)
-        steps = [max(p.optimizer_steps for p in view.online(k)) for k in range(self.num_stages) if view.online(k)]
-        return min(steps, default=0)
+        """The global step the stages are at, as most of their machines announced it at the last
+        refresh (swarm/steps.py): where a joining trainer starts, and one short of the furthest step it
+        names (swarm/trainer/loop.py `StageSteps`)."""
+        with self._lock:
+            return self._swarm_step
 
     def report(self, record: dict, bans: int) -> None:
         """This trainer's numbers after a step (its `--log-json` record, and the failing peers its

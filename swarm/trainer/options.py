@@ -6,6 +6,15 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class TrainerFaults:
+    """Test-only behaviour of a trainer; the defaults are an honest one."""
+
+    # A hostile trainer: names this global step in its requests, whatever step the stages are at (its
+    # next steps count on from there), as if it had joined a swarm that announced it.
+    start_step: int | None = None
+
+
+@dataclass(frozen=True)
 class TrainerOptions:
     """The flags of `swarm train` of the same names; where to train (--local, --peers, --coordinator)
     is chosen in the CLI, which hands these to the trainer it picked."""
@@ -22,3 +31,4 @@ class TrainerOptions:
     verify_fraction: float | None = None  # --coordinator: share of forward calls spot-checked; None: the run's
     join_token: str | None = None  # the run's join token (the coordinator's, the stage workers')
     join_wait: float = 0.0  # --coordinator: seconds to keep trying a coordinator that does not answer
+    faults: TrainerFaults = TrainerFaults()

@@ -83,6 +83,12 @@ class StaticCaller:
     ) -> tuple[pb.ForwardResponse, str]:
         return self.call(stage, samples, lambda c: send(c, train), check=check)
 
+    def ceiling(self) -> int | None:
+        return None  # no records: its workers' answers are all it has
+
+    def host(self, stage: int, peer: str) -> str:
+        return peer  # one worker per stage
+
     def paused(self) -> bool:
         return False  # a static pipeline has no operator
 

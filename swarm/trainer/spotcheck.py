@@ -101,6 +101,12 @@ class SpotCheckCaller:
             return second, checker  # pass the agreed hidden states on, not the outvoted ones
         return out, peer
 
+    def ceiling(self) -> int | None:
+        return self.inner.ceiling()
+
+    def host(self, stage: int, peer: str) -> str:
+        return self.inner.host(stage, peer)
+
     def paused(self) -> bool:
         return self.inner.paused()
 

@@ -201,6 +201,12 @@ class SwarmCaller:
     ) -> tuple[pb.ForwardResponse, str]:
         return self.call(stage, samples, lambda c: send(c, train), check=check)
 
+    def ceiling(self) -> int | None:
+        return self.members.swarm_step() + 1
+
+    def host(self, stage: int, peer: str) -> str:
+        return self.members.hosts(stage).get(peer, peer)
+
     def paused(self) -> bool:
         return self.members.paused()
 
@@ -253,7 +259,7 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
         if not opts.data and CoordinatorShards.offered(coordinator, opts.join_token):
             source = CoordinatorShards(coordinator, shards(run.data), members.trainer_id, opts.join_token)
         steps = opts.steps or run.training.steps
-        start = members.swarm_step()
+        start = members.swarm_step() if opts.faults.start_step is None else opts.faults.start_step
         desc = f"train ({run.stages.count} stages via {coordinator}, {opts.inflight} in flight)"
         if start:
             desc += f" from step {start}"
