@@ -16,6 +16,10 @@ Definitions:
   the honest run's with checks on; the goal is within 3% for the corrupted run with checks on;
 - microbatches until the ban = the trainer's count of training microbatches up to and including
   the one whose check banned the liar (from its "spot check: banned peer" line);
+- microbatches lost / applied twice (benchmarks/ledger.py): training microbatches a run's trainer
+  sent whose gradient no optimizer step of some stage applied (peers started with `--log-steps`),
+  or that one stage applied twice; summed over every run (a banned liar's gradients stay applied:
+  an inner stage adds none at its forward, the last stage's forward is its backward);
 - tokens/s = the trainer's tokens / elapsed of its last step (the whole run);
   overhead = 1 - median(honest, checks on) / median(honest, checks off) over `--repeat` pairs of
   honest runs, on and off in turn (one run's tokens/s moves by several % from run to run).
@@ -31,11 +35,22 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import Proc, final_loss, log_dir, start_coordinator, start_peer, stop_all, wait_online
+from benchmarks import ledger
+from benchmarks.common import (
+    Proc,
+    final_loss,
+    log_dir,
+    read_step_logs,
+    start_coordinator,
+    start_peer,
+    stop_all,
+    wait_online,
+)
 from benchmarks.results import append_row
 from swarm.config import load_config
 
-SECTION = "verify: spot checks against a peer corrupting its outputs (1 + 3 peers)"
+# The table before this one (the same title without "lost from the step logs") counted no microbatches.
+SECTION = "verify: spot checks against a peer corrupting its outputs (1 + 3 peers); lost from the step logs"
 BAN = re.compile(r"spot check: banned peer (\S+) of stage (\d+) at microbatch (\d+)\.(\d+)")
 
 
@@ -56,17 +71,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None)
 
 
-def run_swarm(config: Path, steps: int, fraction: float, liar_scale: float, tmp: Path) -> tuple[list[dict], str]:
-    """One run; returns the trainer's --log-json records and its output."""
+def run_swarm(
+    config: Path, steps: int, fraction: float, liar_scale: float, tmp: Path
+) -> tuple[list[dict], str, ledger.Ledger]:
+    """One run; returns the trainer's --log-json records, its output, and the ledger of its microbatches."""
     procs: list[Proc] = []
+    peers: dict[str, Proc] = {}
     try:
         coordinator, url = start_coordinator(config, tmp / "coordinator.log")
         procs.append(coordinator)
-        peers = {"s0": start_peer(url, "s0", 0, tmp, "--no-rebalance", host="127.0.0.2")}
+
+        def peer(name: str, stage: int, host: str, *extra: str) -> Proc:
+            return start_peer(
+                url, name, stage, tmp, "--no-rebalance", "--log-steps", str(tmp / f"{name}.steps"), *extra, host=host
+            )
+
+        peers["s0"] = peer("s0", 0, "127.0.0.2")
         for n, name in enumerate(("honest1", "honest2", "liar" if liar_scale else "honest3")):
             extra = ["--corrupt-outputs", str(liar_scale)] if name == "liar" else []
             # Each on a machine of its own (a loopback address): checks count one vote per host.
-            peers[name] = start_peer(url, name, 1, tmp, "--no-rebalance", *extra, host=f"127.0.0.{3 + n}")
+            peers[name] = peer(name, 1, f"127.0.0.{3 + n}", *extra)
         procs += peers.values()
         wait_online(url, peers)
         log_json = tmp / "train.jsonl"
@@ -79,9 +103,12 @@ def run_swarm(config: Path, steps: int, fraction: float, liar_scale: float, tmp:
         if trainer.popen.returncode != 0:
             raise RuntimeError(f"the trainer exited with {trainer.popen.returncode}:\n{out[-3000:]}")
         print(out[out.rfind("summary") :], flush=True)
-        return [json.loads(line) for line in log_json.read_text().splitlines() if line.strip()], out
+        records = [json.loads(line) for line in log_json.read_text().splitlines() if line.strip()]
     finally:
         stop_all(procs)
+    # Read once every peer has stopped: a step being averaged at the end is in its log by then.
+    steps_logged = read_step_logs({name: tmp / f"{name}.steps" for name in peers})
+    return records, out, ledger.count(records, steps_logged, 2)
 
 
 def run(args: argparse.Namespace) -> str:
@@ -112,12 +139,15 @@ def run(args: argparse.Namespace) -> str:
     results: dict[str, tuple[list[dict], str]] = {}
     speeds: dict[str, list[float]] = {label: [] for label in runs if label in order}
     honest_bans = 0  # over every honest run
+    sent = lost = twice = 0  # over every run
     for i, label in enumerate(order):
         fraction, scale = runs[label]
         run_dir = tmp / f"{i}-{label.replace(', ', '-').replace(' ', '-')}"
         run_dir.mkdir(exist_ok=True)
         print(f"run {i + 1}/{len(order)}, {label}: --verify-fraction {fraction}, liar {scale or 'none'}", flush=True)
-        records, out = run_swarm(config, args.steps, fraction, scale, run_dir)
+        records, out, counted = run_swarm(config, args.steps, fraction, scale, run_dir)
+        sent, lost, twice = sent + counted.sent, lost + counted.lost, twice + counted.applied_twice
+        print("\n".join(f"  {k}: {v}" for k, v in counted.summary().items()), flush=True)
         results.setdefault(label, (records, out))  # the first run of each kind for the losses
         speeds[label].append(records[-1]["tokens_per_s"])
         if label.startswith("honest"):
@@ -145,6 +175,7 @@ def run(args: argparse.Namespace) -> str:
         "corrupted ÷ honest, checks off": f"{ratio_off:.4f}",
         "microbatches until the ban": banned_after if banned_after is not None else "never banned",
         "bans in the honest runs": honest_bans,
+        "microbatches lost, every run": f"{lost} of {sent} sent (applied twice: {twice})",
         "spot checks made": ", ".join(f"{label}: {n}" for label, n in checks.items()),
         f"overhead of checks at {args.fraction:g}": (
             f"{overhead} of tokens/s (medians of {args.repeat} runs)" if off else overhead
@@ -155,7 +186,7 @@ def run(args: argparse.Namespace) -> str:
     width = max(map(len, rows))
     print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items()), flush=True)
 
-    goal = "met" if abs(ratio - 1) <= 0.03 and banned_after is not None else "not met"
+    goal = "met" if abs(ratio - 1) <= 0.03 and banned_after is not None and lost == twice == 0 else "not met"
     return append_row(
         SECTION,
         [
@@ -167,6 +198,8 @@ def run(args: argparse.Namespace) -> str:
             "corrupted ÷ honest, checks on",
             "corrupted ÷ honest, checks off",
             "microbatches until the ban",
+            "microbatches lost",
+            "applied twice",
             "honest tokens/s, checks on",
             "honest tokens/s, checks off",
             "overhead",
@@ -181,10 +214,13 @@ def run(args: argparse.Namespace) -> str:
             f"{ratio:.4f}",
             f"{ratio_off:.4f}",
             banned_after if banned_after is not None else "never",
+            f"{lost} of {sent}",
+            twice,
             f"{tps['honest, checks on']:,.0f}",
             f"{off:,.0f}" if off else "-",
             overhead,
-            f"goal corrupted within 3% of honest with checks on, liar banned: {goal}; {honest_bans} bans in the "
+            f"goal corrupted within 3% of honest with checks on, liar banned, none lost or twice: {goal}; "
+            f"{honest_bans} bans in the "
             f"honest runs; spot checks made (checks on): honest {checks['honest, checks on']}, corrupted "
             f"{checks['corrupted, checks on']} (every call is checked until each peer passed 2 checks); final loss "
             f"= mean of the last {args.tail} steps; tokens/s over the whole run, median of {args.repeat} runs each "

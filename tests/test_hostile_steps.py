@@ -8,8 +8,8 @@ a loopback address of its own, trainers).
 - Members say their stage took a huge number of steps, in their records and in every answer, one in
   every stage. A joining trainer used to start at the largest step a stage announced, and a trainer
   went on to the largest step a stage's answers said; the stages then skipped to it. Now the swarm's
-  step is what a majority of each stage's machines announce (swarm/steps.py), and a stage's answers
-  count once per machine too (swarm/trainer/loop.py `StageSteps`).
+  step is what a majority of its machines announce (swarm/steps.py), and a stage's answers count
+  once per machine too (swarm/trainer/loop.py `StageSteps`).
 
 For each: every step of the honest trainer completes and the final validation loss is at most 3%
 above the reference trainer's (tests/test_hostile_checks.py), and no honest stage skipped a step.

@@ -11,7 +11,7 @@ from peer.requests import ForwardWork, RequestError
 from peer.worker import StageWorker
 from swarm.config import load_config
 from swarm.records import PeerRecord, SwarmView
-from swarm.steps import host_votes, majority_step, others_step, swarm_step
+from swarm.steps import half_step, host_votes, majority_step, others_step, swarm_step
 from tests.conftest import CONFIGS
 
 HUGE = 10**9
@@ -32,6 +32,7 @@ def test_the_majority_step_is_what_more_than_half_reached():
     assert majority_step([7, 8, HUGE]) == 8
     assert majority_step([7, HUGE, HUGE]) == HUGE  # two of three can: they are the majority
     assert majority_step([5, 7, 8, HUGE]) == 7
+    assert half_step([0, 4]) == 4 and half_step([0, 0, 4]) == 0 and half_step([]) == 0
 
 
 def test_ids_on_one_machine_vote_once_with_their_lowest_step():
@@ -41,21 +42,25 @@ def test_ids_on_one_machine_vote_once_with_their_lowest_step():
     assert host_votes([peer("a", 0, 7), peer("b", 0, HUGE, state="joining")]) == [7]  # online only
 
 
-def test_a_joining_trainer_starts_where_most_machines_of_every_stage_are():
-    honest = view([peer("a", 0, 12), peer("x", 0, HUGE)], [peer("b", 1, 12), peer("y", 1, HUGE)])
-    assert swarm_step(honest) == 12  # a liar in every stage
+def test_a_joining_trainer_starts_where_most_machines_are_and_no_stage_is_behind():
+    assert swarm_step(view([peer("a", 0, 12), peer("x", 0, HUGE)], [peer("b", 1, 12), peer("y", 1, HUGE)])) == 12
     # The largest claim would have been HUGE; the stages' minimum of their largest, too.
     assert swarm_step(view([peer("a", 0, 12)], [peer("b", 1, 11), peer("c", 1, 11)])) == 11
     assert swarm_step(view([peer("a", 0, 12)], [])) == 12  # a stage with nobody to say is left out
     assert swarm_step(view([], [])) == 0
+    # A replica that started from the seeded init beside one that resumed a checkpoint at step 4 is
+    # behind, not right: half of its stage is at 4, as is most of the swarm.
+    resumed = view([peer("s0", 0, 4)], [peer("fresh", 1, 0), peer("resumed", 1, 4)])
+    assert swarm_step(resumed) == 4
+    # A stage that most of whose machines are behind (its peers all died) holds the swarm back.
+    assert swarm_step(view([peer("a", 0, 50), peer("b", 0, 50)], [peer("new", 1, 0)])) == 0
 
 
 def test_what_bounds_a_peer_is_the_other_machines_of_every_stage():
     swarm = view([peer("me", 0, 0), peer("a", 0, 30)], [peer("b", 1, 30), peer("c", 1, 31)])
     assert others_step(swarm, "me") == 30  # the peer's own step has no say
-    # Liars must win every stage: here they are half the other machines, but a majority of none.
-    lied = view([peer("me", 0, 30), peer("x", 0, HUGE)], [peer("b", 1, 30), peer("y", 1, HUGE)])
-    assert others_step(lied, "me") == 30
+    lied = view([peer("me", 0, 30), peer("a", 0, 30)], [peer("b", 1, 30), peer("y", 1, HUGE)])
+    assert others_step(lied, "me") == 30  # one liar of three other machines
     # A stage whose peers all died: the new peer takes the step from the other stage's machines.
     assert others_step(view([peer("me", 0, 0)], [peer("b", 1, 30)]), "me") == 30
     assert others_step(view([peer("me", 0, 0)], []), "me") is None  # alone: nobody to bound it
