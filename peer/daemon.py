@@ -234,7 +234,7 @@ class PeerDaemon:
 
     def track_swarm(self) -> SwarmView:
         """Read the swarm, and tell the worker the step most of the other machines announce: how far a
-        request may move it (peer/stepper.py `admit`)."""
+        request may move it (peer/stepper.py `reachable`)."""
         view = read_swarm(self.dht, self.run.run_id, self.run.stages.count)
         self.worker.stepper.swarm_step = others_step(view, self.record.peer_id)
         return view

@@ -17,9 +17,9 @@ weights after s steps, so a worker that has not yet taken step s - 1 finishes it
 the stage's count, at most `averaging.sync_timeout_s`). A worker that missed steps takes the stage's
 state from its live peers (`resync`); steps whose gradients died with the peers that served them
 are skipped, so that the stage's step count stays the swarm's global step. Neither is taken on one
-caller's word: a request naming a step ahead of both this replica and what a majority of the swarm's
-machines announce is refused (`admit`, swarm/steps.py), and requests make a replica download the
-stage's state at most once per step of its own.
+caller's word: work naming a step beyond one past both the replica's own step and what a majority
+of the swarm's machines announce is refused (`reachable`, swarm/steps.py), and requests make a
+replica download the stage's state at most once per step of its own.
 
 The stages' steps line up by count: a batch of work that adds to the gradient stops at the global
 batch (`room`), so that every stage's step n holds the n-th global batch of the samples it served.
@@ -204,8 +204,8 @@ class Stepper:
         self.waited_s = 0.0  # time the compute thread spent in catch_up waiting for a step
         self._next_resync = 0.0
         self._resynced_at: int | None = None  # this replica's step when a request last had it resync
-        # The step a majority of the swarm's other machines announce (swarm/steps.py `others_step`),
-        # kept current by the peer's daemon; None: no view of a swarm (a stage served by hand).
+        # The step the swarm's other machines announce (swarm/steps.py `others_step`), kept current by
+        # the peer's daemon (it lags by a refresh or two); None: no swarm (a stage served by hand).
         self.swarm_step: int | None = None
         self.skipped_steps: list[range] = []  # global steps whose gradients never reached this stage (catch_up)
         # While a step runs (it may wait for the other stages' gradient norms), the compute thread
@@ -252,20 +252,29 @@ class Stepper:
             self.invalidate()
         return source
 
-    def admit(self, step: int) -> None:
-        """Refuse work for a step ahead of both this replica and the swarm's majority: it would have
-        the stage download its state again and again, or skip to that step (`catch_up`), on the word
-        of one caller. A trainer names the step the stages reached (at most one past this replica's,
-        or past what most machines announce when this replica is the one behind), so an honest one
-        is refused only in the seconds before the records of a step just taken are announced, and
-        it retries on another peer."""
-        known = self.swarm_step
-        if known is not None and step > max(self.optimizer_steps, known) + 1:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"step: {step} is ahead of the swarm: a majority of its machines announce step {known}, "
-                f"this stage is at step {self.optimizer_steps}",
-            )
+    def reachable(self, step: int) -> int:
+        """The furthest step work may take this replica to, for a batch whose furthest work names
+        `step`: one past both its own step and what most of the swarm's other machines announce
+        (`swarm_step`; its caller's word alone for a stage served by hand). Work that names more is
+        refused (`ahead`): nobody's word alone makes a stage skip steps. A replica that is behind (the
+        records or its stage's averaging say the stage is ahead) first takes the stage's state, at
+        most once per step of its own, so that a trainer's work for the stage's next step is served.
+        An honest trainer is refused only by a replica that is behind with nobody to load the state
+        from, before the records show its stage's step; it retries on another peer."""
+        own, known = self.optimizer_steps, self.swarm_step
+        ahead = step > own + 1 and self._resynced_at != own
+        if ahead and (known is None or known > own or self.updater.behind(self.samples_pending)):
+            self._resynced_at = own
+            self.resync()
+        return step if known is None else max(self.optimizer_steps, known) + 1
+
+    def ahead(self, step: int) -> RequestError:
+        """The refusal of work for `step`, beyond `reachable`."""
+        return RequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"step: {step} is ahead of the swarm: a majority of its machines announce step {self.swarm_step}, "
+            f"this stage is at step {self.optimizer_steps}",
+        )
 
     def catch_up(self, step: int) -> None:
         """Work for global step `step` needs the weights after `step` steps: take the step before it
@@ -275,9 +284,6 @@ class Stepper:
         a live peer of the stage (the peers that served it died with its gradients) is skipped, not
         left to shift every later step by one (each later step would then wait for a count that never
         comes, and exchange gradient norms with the other stages under the wrong step)."""
-        known = self.swarm_step
-        if known is not None:
-            step = min(step, max(self.optimizer_steps, known) + 1)  # as `admit` let through
         if step > self.optimizer_steps + 1:
             if self._resynced_at != self.optimizer_steps:  # one download per step, whatever the requests say
                 self._resynced_at = self.optimizer_steps

@@ -138,9 +138,7 @@ class StageWorker:
     # -- submitting work -------------------------------------------------------------------
 
     def submit(self, work: ForwardWork | BackwardWork, active: Callable[[], bool] | None = None) -> Future:
-        """Queue work; `active` tells whether the caller still waits (cancelled work is skipped).
-        Work for a step far ahead of the swarm is refused (`RequestError`, peer/stepper.py `admit`)."""
-        self.stepper.admit(work.step)
+        """Queue work; `active` tells whether the caller still waits (cancelled work is skipped)."""
         return self.queue.submit(work, active)
 
     def load_parameters(self, params: dict[str, torch.Tensor]) -> None:
@@ -214,6 +212,13 @@ class StageWorker:
             return
         kind, batch = got
         try:
+            reachable = self.stepper.reachable(max(t.work.step for t in batch))
+            for task in batch:
+                if task.work.step > reachable:
+                    resolve(task.future, error=self.stepper.ahead(task.work.step))
+            batch = [t for t in batch if t.work.step <= reachable]
+            if not batch:
+                return
             self.stepper.catch_up(max(t.work.step for t in batch))
         except Exception as err:  # e.g. the stage's state could not be loaded: these callers retry elsewhere
             for task in batch:

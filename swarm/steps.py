@@ -64,7 +64,7 @@ def swarm_step(view: SwarmView) -> int:
 
 def others_step(view: SwarmView, me: str) -> int | None:
     """`swarm_step` without the peer `me`: how far a request may move that peer (peer/stepper.py
-    `Stepper.admit`); None when nobody else is online. A stage whose peers all died leaves it to the
+    `Stepper.reachable`); None when nobody else is online. A stage whose peers all died leaves it to the
     others."""
     others = view.model_copy(update={"stages": [[r for r in stage if r.peer_id != me] for stage in view.stages]})
     if not any(others.online(k) for k in range(len(others.stages))):

@@ -3,8 +3,8 @@ a loopback address of its own, trainers).
 
 - A trainer names a step far ahead in its requests (2^31 - 2, the most a request may name). A stage
   used to skip to it: its step count and learning rate jumped to the end of the schedule, and every
-  later trainer started there. Now a peer refuses a step ahead of both its own and what a majority
-  of the swarm's machines announce (peer/stepper.py `admit`).
+  later trainer started there. Now a peer refuses work for a step beyond one past both its own and
+  what a majority of the swarm's machines announce (peer/stepper.py `reachable`).
 - Members say their stage took a huge number of steps, in their records and in every answer, one in
   every stage. A joining trainer used to start at the largest step a stage announced, and a trainer
   went on to the largest step a stage's answers said; the stages then skipped to it. Now the swarm's

@@ -42,9 +42,10 @@ class StageSteps:
 
     A stage's word is what a majority of the machines that answered for it said (each machine: the
     highest step its peers said; `host(stage, peer)` names a peer's machine), as for the swarm's step
-    (swarm/steps.py): a peer answering a huge step cannot send the trainer there, where every honest
-    peer would refuse its work (peer/stepper.py `admit`). Peers that answered only before their stage's
-    batch filled say a step less, so with replicas the word may lag: the trainer then names an older
+    (swarm/steps.py): a peer answering a huge step cannot send the trainer there (where honest peers
+    would refuse its work: peer/stepper.py `reachable`). Peers that
+    answered only before their stage's batch filled say a step less, so with replicas the word may
+    lag: the trainer then names an older
     step, whose work the stages count toward their current one. When a liar gave all of a stage's
     answers of a step, the swarm's records still bound what the trainer names (`ceiling`)."""
 
