@@ -232,8 +232,9 @@ def test_a_peer_corrupting_its_outputs_is_banned_and_gets_no_more_traffic(tmp_pa
         # No more traffic: no training microbatch of a later step reached the liar (those of its
         # step and the next may have been in flight when it was banned).
         # (A step log's "step" counts the steps taken: the step of microbatches of step s says s + 1.)
+        # A liar banned by its first checks may have applied no training microbatch at all.
         applied = [s["step"] for s in swarm.applied() if s["peer"] == "liar" and s["microbatches"]]
-        assert applied and max(applied) <= step + 2, applied
+        assert not applied or max(applied) <= step + 2, applied
         # The coordinator shows the checks and the ban, and reports it as an event naming the peer.
         s = wait_for_state(swarm.url, lambda s: any(t["spot_bans"] for t in s["trainers"]), timeout=15)
         trainer = s["trainers"][0]
