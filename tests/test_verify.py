@@ -30,7 +30,8 @@ def hidden(seed: int = 0) -> torch.Tensor:
 
 
 def test_the_sampled_fraction_is_close_to_the_asked_one_and_depends_on_the_trainers_secret():
-    names = [f"{step}.{i}" for step in range(2000) for i in range(2)]
+    # 50 000 calls at 2 %: 1000 expected, sd 31; the bounds sit 8 sd away so that no key fails them.
+    names = [f"{step}.{i}" for step in range(25_000) for i in range(2)]
     key = new_key()
     picked = [n for n in names if sampled(key, 1, n, 0.02)]
     assert 0.015 <= len(picked) / len(names) <= 0.025
