@@ -45,12 +45,15 @@ from functools import partial
 
 import hivemind
 import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
 
 from peer.checkpoint import Checkpoint
 from swarm.config import RunConfig
 from swarm.optim import make_optimizer, param_groups, primed
+from swarm.receipts import capped_weight, credible_samples, most_declared, sample_caps
 from swarm.records import (
     TTL_S,
     NormShare,
@@ -61,6 +64,9 @@ from swarm.records import (
     publish_norm_share,
     read_digests,
     read_norm_shares,
+    read_progress,
+    read_trainers,
+    stage_members,
     state_holders_key,
 )
 from swarm.schedule import lr_at
@@ -192,6 +198,61 @@ def weights_digest(module: torch.nn.Module, sample: int = 65536) -> str:
             flat = p.detach().reshape(-1)
             h.update(flat[:: max(1, flat.numel() // sample)].to("cpu").contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+class CappedGradientAverager(GradientAverager):
+    """hivemind's gradient averager, with every sender's weight in this replica's parts of the
+    all-reduce capped by what the trainers saw it serve (swarm/receipts.py), not taken as declared.
+
+    hivemind has no hook for the weights: each reducer adds a sender's part with the weight that
+    sender sent along (`TensorPartReducer.accumulate_part`). `_run_allreduce_inplace_` below is
+    hivemind 1.1.12's own, but for wrapping that call of the round's reducer. The caps live in the
+    averager's process and come from the replica's through its control pipe (`cap`)."""
+
+    def __init__(self, *args, global_batch: int, **kwargs):
+        self.global_batch = global_batch
+        self.caps: dict[str, float] | None = None  # in the averager's process
+        super().__init__(*args, **kwargs)
+
+    def cap(self, caps: dict[str, float] | None) -> None:
+        """Cap the senders' weights in the rounds to come (peer id -> the most it may weigh)."""
+        self._outer_pipe.send(("_set_caps", [caps], {}))
+
+    async def _set_caps(self, caps: dict[str, float] | None) -> None:
+        self.caps = caps
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = AllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        senders = [p.to_base58() for p in runner.sender_peer_ids]
+        reducer, caps = runner.tensor_part_reducer, self.caps
+        accumulate = reducer.accumulate_part
+
+        async def capped(sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0):
+            allowed = capped_weight(caps, senders[sender_index], weight, self.global_batch)
+            if allowed < weight and part_index == 0:
+                log.warning(f"capped the weight of peer {senders[sender_index]} from {weight:g} to {allowed:g} samples")
+            return await accumulate(sender_index, part_index, tensor_part, weight=allowed)
+
+        reducer.accumulate_part = capped
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
 
 
 class ReplicaCheck:
@@ -378,9 +439,13 @@ class SwarmUpdater:
         module: torch.nn.Module,
         dht: hivemind.DHT,
         idle: Callable[[], None] | None = None,
+        declared: Callable[[int], int] = int,
     ):
-        """`idle`: called again and again while a step waits for the other stages' gradient norms."""
-        self.run, self.stage, self.module = run, stage, module
+        """`idle`: called again and again while a step waits for the other stages' gradient norms;
+        `declared(samples)`: the count this replica tells the stage it holds (a test's liar lies)."""
+        self.run, self.stage, self.module, self.declared = run, stage, module, declared
+        self.credible_at = (0.0, 0)  # when the stage's credible sample count was last read, and what it was
+        self.liars: set[str] = set()  # peers whose progress reports claimed more than any replica holds
         t, a = run.training, run.averaging
         self.prefix = averaging_prefix(run.run_id, stage)
         self.dropped = 0  # contributions left out of the average because they were not finite
@@ -411,7 +476,9 @@ class SwarmUpdater:
             # accumulators would only be a second copy.
             reuse_grad_buffers=True,
             offload_optimizer=False,
-            grad_averager_factory=partial(GradientAverager, averaged_grads=_float64_like(groups)),
+            grad_averager_factory=partial(
+                CappedGradientAverager, averaged_grads=_float64_like(groups), global_batch=t.global_batch
+            ),
             # Replicas apply identical steps, so averaging their parameters would change nothing; a
             # replica that missed a round loads the others' state instead (`behind`).
             average_state_every=2**31 - 1,
@@ -436,7 +503,7 @@ class SwarmUpdater:
 
     def served(self, pending: int) -> None:
         """Tell the stage's tracker how many samples this peer holds gradients for."""
-        self.opt.tracker.report_local_progress(self.epoch, pending)
+        self.opt.tracker.report_local_progress(self.epoch, self.declared(pending))
 
     def ready(self, pending: int) -> bool:
         """Time to take the step: the stage as a whole served the global batch (and hivemind sees the
@@ -444,11 +511,33 @@ class SwarmUpdater:
         progress = self.opt.tracker.global_progress
         if pending > 0 and progress.epoch == self.epoch + 1:
             return True
-        return progress.samples_accumulated >= self.run.training.global_batch and (
+        return (
+            progress.samples_accumulated >= self.run.training.global_batch
             # hivemind averages only when its tracker sees another peer; until this peer's own
             # report shows up in a fetch it may see just one, and would step alone.
-            pending >= self.run.training.global_batch or progress.num_peers >= 2
+            and (pending >= self.run.training.global_batch or progress.num_peers >= 2)
+            # A report beyond what any replica holds counts for nothing; with no report beyond it, the
+            # sum shows none (a look at the reports themselves is then saved).
+            and (
+                progress.samples_accumulated <= most_declared(self.run.training.global_batch)
+                or self._credible(pending) >= self.run.training.global_batch
+            )
         )
+
+    def _credible(self, pending: int) -> int:
+        """The samples the stage holds toward this replica's step, leaving out the progress reports that
+        no honest replica makes (swarm/receipts.py): one replica's report of 10^6 samples would
+        otherwise fill every step's batch at once. Read from the DHT at most every 0.2 s."""
+        read_at, total = self.credible_at
+        if time.monotonic() - read_at > 0.2:
+            me = self.opt.dht.peer_id.to_base58()
+            reports = [r for r in read_progress(self.opt.dht, self.run.run_id, self.stage) if r[0] != me]
+            total, liars = credible_samples(reports, self.epoch, self.run.training.global_batch)
+            for peer in set(liars) - self.liars:
+                log.warning(f"stage {self.stage}: ignoring peer {peer}'s reports of more samples than one step holds")
+            self.liars.update(liars)
+            self.credible_at = (time.monotonic(), total)
+        return total + pending
 
     def behind(self, pending: int) -> bool:
         """This replica's weights are not the stage's: it missed a step (served nothing toward it, or
@@ -507,17 +596,18 @@ class SwarmUpdater:
             # after one peer of a 2 x 2 swarm was killed.
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.num_peers = 1
+        self.opt.grad_averager.cap(self._caps())
         before, control = self.epoch, self.opt.scheduled_grads
         self.norms.step = before
         started = time.perf_counter()
         with PartnerWatch(self.opt, partners):
-            self.opt.step(batch_size=pending)
+            self.opt.step(batch_size=self.declared(pending))
         if self.epoch != before + 1:
             # No step: the tracker's view changed between the check and the step (a fetch landed),
             # or hivemind found this peer out of sync and loaded the stage's state. Take back what
             # hivemind counted and the scaling, so that a next try counts these samples once.
             averager = self.opt.grad_averager
-            averager.local_samples_accumulated = max(0, averager.local_samples_accumulated - pending)
+            averager.local_samples_accumulated = max(0, averager.local_samples_accumulated - self.declared(pending))
             averager.local_times_accumulated = max(0, averager.local_times_accumulated - 1)
             if scale != 1.0:
                 self._scale(1.0 / scale)
@@ -553,6 +643,14 @@ class SwarmUpdater:
             log.info(f"stage {self.stage} step {before}: averaged alone with {pending} samples")
         self.check.publish(self.epoch, weights_digest(self.module))
         return pending
+
+    def _caps(self) -> dict[str, float] | None:
+        """The most each replica of the stage may weigh in this step's all-reduce, from the trainers'
+        receipts (swarm/receipts.py)."""
+        key = str(self.stage)
+        receipts = [t.served.get(key, {}) for t in read_trainers(self.opt.dht, self.run.run_id)]
+        members = stage_members(self.opt.dht, self.run.run_id, self.stage)
+        return sample_caps(receipts, members, self.run.training.global_batch)
 
     def skip_to(self, step: int) -> None:
         """Count the steps up to `step` as taken, applying nothing: none of their samples reached a live

@@ -43,6 +43,10 @@ class Faults:
     restless: bool = False
     # A hostile peer: says its stage took this many optimizer steps, in its record and its answers.
     claim_steps: int | None = None
+    # A hostile peer: declares this many samples toward each of its stage's steps (to hivemind's progress
+    # tracker, and as its weight in the stage's all-reduce), and hands in no gradient (zeros): weighed as
+    # it claims, it would be the whole average, and its stage would stop learning.
+    declare_samples: int | None = None
     _forwards: list[int] = field(default_factory=lambda: [0], compare=False)  # training forwards answered
 
     def delay(self, samples: int) -> None:
@@ -82,10 +86,19 @@ class Faults:
         return out + noise.to(out.dtype)
 
     def spoil(self, module: torch.nn.Module) -> None:
-        """Make the gradient `module` just accumulated not finite, when this peer is the faulty kind."""
+        """Make the gradient `module` just accumulated not finite, or zero, when this peer is of the
+        faulty or the hostile kind."""
         if self.non_finite_grads:
             grad = next(p.grad for p in module.parameters() if p.grad is not None)
             grad.fill_(float("nan"))
+        if self.declare_samples is not None:
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+
+    def declared(self, samples: int) -> int:
+        """The samples this peer declares toward its stage's step, holding `samples`."""
+        return samples if self.declare_samples is None else self.declare_samples
 
     def claimed_steps(self, steps: int) -> int:
         """The optimizer steps this peer says its stage took (or reached), having taken `steps`."""

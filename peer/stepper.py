@@ -107,13 +107,19 @@ class Updater(Protocol):
 
 
 def make_updater(
-    run: RunConfig, stage: int, module: torch.nn.Module, dht=None, idle: Callable[[], None] | None = None
+    run: RunConfig,
+    stage: int,
+    module: torch.nn.Module,
+    dht=None,
+    idle: Callable[[], None] | None = None,
+    declared: Callable[[int], int] = int,
 ) -> Updater:
     """A lone stage's updater, or with a `dht` one that averages with the other peers of the stage;
-    `idle` is called while its step waits for the other stages' gradient norms."""
+    `idle` is called while its step waits for the other stages' gradient norms; `declared(samples)`:
+    what it tells the others it holds (a test's hostile peer lies)."""
     if dht is None:
         return LocalUpdater(run, module)
-    return SwarmUpdater(run, stage, module, dht, idle=idle)
+    return SwarmUpdater(run, stage, module, dht, idle=idle, declared=declared)
 
 
 class StagedGrads:

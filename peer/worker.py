@@ -114,7 +114,7 @@ class StageWorker:
         self.run, self.stage_index, self.device, self.faults = run, stage, device, faults
         self.stage = Stage(run, stage).to(device)
         self.stage.train()
-        self.updater = make_updater(run, stage, self.stage, dht, idle=self._serve_aside)
+        self.updater = make_updater(run, stage, self.stage, dht, idle=self._serve_aside, declared=faults.declared)
         self.queue = WorkQueue()
         self.busy_s = 0.0  # time the compute thread spent serving batches
         self.lock = threading.Lock()  # held while parameters or gradients change

@@ -212,6 +212,7 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
             log_steps=args.log_steps,
             restless=args.restless,
             claim_steps=args.claim_steps,
+            declare_samples=args.declare_samples,
         ),
     )
 
@@ -612,6 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--restless", action="store_true", help=argparse.SUPPRESS)
     peer.add_argument("--non-finite-grads", action="store_true", help=argparse.SUPPRESS)
     peer.add_argument("--claim-steps", type=non_negative_int, default=None, help=argparse.SUPPRESS)
+    peer.add_argument("--declare-samples", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     peer.add_argument("--port", type=port_number, default=0, help="port to listen on (default: any free port)")
     peer.add_argument("--dht-port", type=port_number, default=0, help="the DHT node's port (default: any free port)")

@@ -64,7 +64,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
 from swarm import __version__
 from swarm.net import free_port
@@ -121,6 +121,9 @@ class TrainerRecord(BaseModel):
     spot_disagreements: int = Field(0, ge=0)  # ... that differed beyond the tolerance
     spot_bans: int = Field(0, ge=0)  # bans of peers whose answers two agreeing peers outvoted (so far)
     spot_banned: dict[str, int] = Field(default_factory=dict)  # the peers banned now: peer id -> stage
+    # samples whose gradient each peer kept over the trainer's last steps: stage -> peer id -> samples
+    # (swarm/receipts.py: what caps a peer's weight in its stage's average)
+    served: dict[str, dict[str, NonNegativeInt]] = Field(default_factory=dict)
     updated: float = 0.0
 
 
@@ -429,6 +432,38 @@ def _read(
             continue
         records.append(record)
     return records
+
+
+class ProgressReport(BaseModel):
+    """One replica's report to its stage's hivemind progress tracker (its `LocalTrainingProgress`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    peer_id: bytes
+    epoch: int = Field(ge=0, le=MAX_STEP)
+    samples_accumulated: int = Field(ge=0)
+
+
+def read_progress(dht: hivemind.DHT, run_id: str, stage: int) -> list[tuple[str, int, int]]:
+    """(peer id, step, samples) of each report to stage `stage`'s progress tracker that its replica
+    signed itself. hivemind's tracker stores a report under its writer's owner marker alone (a bytes
+    subkey), so `_read` does not apply."""
+    found = dht.get(f"{averaging_prefix(run_id, stage)}_progress", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    reports = []
+    for subkey, item in found.value.items():
+        text = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
+        marker = OWNER_MARKER.fullmatch(text)
+        try:
+            report = ProgressReport.model_validate(item.value)
+            peer = PeerID(report.peer_id).to_base58()
+        except (ValidationError, AttributeError, TypeError, ValueError):
+            continue
+        if marker is None or signer_peer_id(marker.group(1)) != peer:
+            continue  # unsigned, or signed by another peer: nobody speaks for another replica
+        reports.append((peer, report.epoch, report.samples_accumulated))
+    return reports
 
 
 def read_stage(dht: hivemind.DHT, run_id: str, stage: int) -> list[PeerRecord]:

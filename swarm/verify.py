@@ -232,6 +232,15 @@ class SpotChecks:
         with self._lock:
             return self._strike(stage, peer, now)
 
+    def convict(self, stage: int, peer: str, now: float | None = None) -> bool:
+        """`peer` of `stage` proved itself a liar (it signed a claim no honest peer makes): banned at
+        once; whether it was not banned already."""
+        with self._lock:
+            if peer in self.banned:
+                return False
+            self.stages[stage].strikes[peer] = self.strikes - 1
+            return self._strike(stage, peer, now)
+
     def _strike(self, stage: int, peer: str, now: float | None) -> bool:
         state = self.stages[stage]
         state.passed[peer] = 0

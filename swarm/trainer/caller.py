@@ -71,6 +71,10 @@ class StageCaller(Protocol):
         """One forward call of microbatch `name` to `stage`; `send(client, train)` makes it."""
         ...
 
+    def served(self, stage: int, peer: str, samples: int) -> None:
+        """`peer` of `stage` kept the gradient of `samples` samples: a receipt (swarm/receipts.py)."""
+        ...
+
     def ceiling(self) -> int | None:
         """The furthest step the trainer may name next, whatever the stages' answers say: one past the
         swarm's step as most of its machines announce it (None: the answers are all there is)."""

@@ -150,6 +150,7 @@ def microbatch(
     )
     heard(last, peer, out)
     if train:
+        caller.served(last, peer, samples)
         grad = out.input_grad
         for k in range(last - 1, -1, -1):
             # The worker that ran the forward may still hold its graph: try it first.
@@ -161,6 +162,7 @@ def microbatch(
                 check=grad_ok if k > 0 else None,
             )
             heard(k, peer, back)
+            caller.served(k, peer, samples)
             grad = back.input_grad
     return out.loss
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import hivemind
 
 from swarm.config import RunConfig
+from swarm.receipts import Receipts, credible_samples
 from swarm.records import (
     REFRESH_S,
     ControlState,
@@ -28,6 +29,7 @@ from swarm.records import (
     announce_trainer,
     maddr_peer_ids,
     read_control,
+    read_progress,
     read_removed,
     read_swarm,
     shutdown_dht,
@@ -57,6 +59,7 @@ class Membership:
         self.num_stages = run.stages.count
         self.trainer_id = uuid.uuid4().hex[:12]
         self.record = TrainerRecord(trainer_id=self.trainer_id, public_name=f"trainer-{self.trainer_id[:6]}")
+        self.receipts = Receipts()  # the samples each peer kept gradients of, announced in the record
         self.coordinators = maddr_peer_ids(initial_peers)
         self.reconnector = Reconnector(dht, initial_peers)
         self._routers = [Router() for _ in range(self.num_stages)]
@@ -75,6 +78,7 @@ class Membership:
         view = read_swarm(self.dht, self.run.run_id, self.num_stages)
         if self.reconnector.check(view):  # a stage looks empty: maybe this node lost touch with the DHT
             view = read_swarm(self.dht, self.run.run_id, self.num_stages)
+        self._convict_liars()
         removed = read_removed(self.dht, self.run.run_id, self.coordinators)  # by the operator: they are leaving
         control = read_control(self.dht, self.run.run_id, self.coordinators)
         now = time.monotonic()
@@ -85,6 +89,21 @@ class Membership:
                 online = [p for p in view.online(k) if p.peer_id not in removed and p.peer_id not in self.spot.banned]
                 self._routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
                 self._addresses[k] = {p.peer_id: p.address for p in online}
+
+    def _convict_liars(self) -> None:
+        """Ban the peers whose own signed progress reports claim more samples toward one step than any
+        replica holds (swarm/receipts.py): a lie about their weight in their stage's average."""
+        for k in range(self.num_stages):
+            _, liars = credible_samples(read_progress(self.dht, self.run.run_id, k), 0, self.run.training.global_batch)
+            for peer in liars:
+                if self.spot.convict(k, peer):
+                    event(f"peer {peer} of stage {k} declared more samples for one step than any peer holds: banned")
+                    self.record = self.record.model_copy(update={"served": self._receipts()})
+
+    def _receipts(self) -> dict[str, dict[str, int]]:
+        """The receipts to announce: none for the peers this trainer banned (it vouches for no liar)."""
+        banned = self.spot.banned
+        return {k: {p: n for p, n in peers.items() if p not in banned} for k, peers in self.receipts.recent().items()}
 
     @contextlib.contextmanager
     def stage(self, stage: int) -> Iterator[tuple[Router, dict[str, str]]]:
@@ -125,6 +144,7 @@ class Membership:
     def report(self, record: dict, bans: int) -> None:
         """This trainer's numbers after a step (its `--log-json` record, and the failing peers its
         calls banned), announced with the next refresh."""
+        self.receipts.next_step()
         self.record = self.record.model_copy(
             update={
                 "samples": record["microbatches"] * self.run.training.micro_batch,
@@ -139,6 +159,7 @@ class Membership:
                 "spot_disagreements": self.spot.disagreements,
                 "spot_bans": self.spot.bans,
                 "spot_banned": dict(self.spot.banned),
+                "served": self._receipts(),
             }
         )
 

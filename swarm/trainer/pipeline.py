@@ -83,6 +83,9 @@ class StaticCaller:
     ) -> tuple[pb.ForwardResponse, str]:
         return self.call(stage, samples, lambda c: send(c, train), check=check)
 
+    def served(self, stage: int, peer: str, samples: int) -> None:
+        pass  # one worker per stage, nobody to average with: no receipts
+
     def ceiling(self) -> int | None:
         return None  # no records: its workers' answers are all it has
 

@@ -101,6 +101,9 @@ class SpotCheckCaller:
             return second, checker  # pass the agreed hidden states on, not the outvoted ones
         return out, peer
 
+    def served(self, stage: int, peer: str, samples: int) -> None:
+        self.inner.served(stage, peer, samples)
+
     def ceiling(self) -> int | None:
         return self.inner.ceiling()
 

@@ -201,6 +201,9 @@ class SwarmCaller:
     ) -> tuple[pb.ForwardResponse, str]:
         return self.call(stage, samples, lambda c: send(c, train), check=check)
 
+    def served(self, stage: int, peer: str, samples: int) -> None:
+        self.members.receipts.add(stage, peer, samples)
+
     def ceiling(self) -> int | None:
         return self.members.swarm_step() + 1
 
