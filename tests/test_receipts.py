@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
 from swarm.receipts import (
     FLOOR,
     SLACK,
@@ -14,7 +17,14 @@ from swarm.receipts import (
     most_declared,
     sample_caps,
 )
-from swarm.records import TrainerRecord
+from swarm.records import (
+    TrainerRecord,
+    averaging_prefix,
+    make_dht,
+    read_progress,
+    shutdown_dht,
+    visible_maddrs,
+)
 
 G = 64  # global batch
 
@@ -77,3 +87,32 @@ def test_reports_beyond_what_any_replica_holds_are_left_out_of_the_count():
     assert credible_samples(reports, 3, G) == (64, ["liar"])
     assert credible_samples([("a", 3, most_declared(G))], 3, G) == (most_declared(G), [])
     assert credible_samples([], 3, G) == (0, [])
+
+
+def test_progress_reports_count_only_when_their_replica_signed_them():
+    """A member cannot get an honest replica banned (or its count left out) by storing a report of 10^6
+    samples in its name: a report counts only under the owner marker of the peer it names."""
+    victim = make_dht()
+    forger = make_dht(visible_maddrs(victim), record_key=RSAPrivateKey())
+    try:
+        key = f"{averaging_prefix('run', 0)}_progress"
+        expires = get_dht_time() + 60
+
+        def report(dht, peer_id, samples) -> dict:
+            return {"peer_id": peer_id.to_bytes(), "epoch": 3, "samples_accumulated": samples, "client_mode": False}
+
+        assert victim.store(key, report(victim, victim.peer_id, 40), expires, subkey=victim.record_owner.encode())
+        # in the victim's name, under the forger's own marker, and under no marker at all
+        assert forger.store(key, report(forger, victim.peer_id, 10**6), expires, subkey=forger.record_owner.encode())
+        forger.store(key, report(forger, victim.peer_id, 10**6), expires, subkey=b"unsigned")
+        reports = read_progress(victim, "run", 0)
+        assert reports == [(victim.peer_id.to_base58(), 3, 40)]
+        # its own lie it can tell, and it is read as its own
+        later = expires + 1  # a subkey's value is replaced by a newer one only
+        assert forger.store(key, report(forger, forger.peer_id, 10**6), later, subkey=forger.record_owner.encode())
+        assert sorted(read_progress(victim, "run", 0)) == sorted(
+            [(victim.peer_id.to_base58(), 3, 40), (forger.peer_id.to_base58(), 3, 10**6)]
+        )
+    finally:
+        shutdown_dht(forger)
+        shutdown_dht(victim)
