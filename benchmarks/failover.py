@@ -73,16 +73,16 @@ AFTER_GOAL = 0.675  # steady tokens/s after the kill ÷ before: 0.9 x the 3/4 of
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/tiny.toml", help="a 2-stage run config")
-    p.add_argument("--steps", type=int, default=300, help="trainer steps (fixed, so its final counts are complete)")
+    p.add_argument("--steps", type=int, default=80, help="trainer steps (fixed, so its final counts are complete)")
     p.add_argument("--stage", type=int, default=1, help="stage of the peer to kill (default: the last, 1)")
     p.add_argument("--call-timeout", type=float, default=5.0, help="seconds before a call is retried elsewhere")
     p.add_argument("--inflight", type=int, default=4)
-    p.add_argument("--warmup-s", type=float, default=15.0, help="trainer seconds before the kill")
+    p.add_argument("--warmup-s", type=float, default=35.0, help="trainer seconds before the kill")
     p.add_argument("--settle-s", type=float, default=20.0, help="steady-after windows start this long after the kill")
     p.add_argument("--window", type=int, default=5, help="steps per tokens/s window")
     p.add_argument("--hold", type=int, default=5, help="consecutive windows that must stay above the threshold")
     p.add_argument("--threshold", type=float, default=0.9, help="fraction of the steady tokens/s after the kill")
-    p.add_argument("--timeout-s", type=float, default=300.0, help="give up when the trainer runs longer than this")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="give up when the trainer runs longer than this")
     p.add_argument("--no-rebalance", action="store_true", help="peers never move between stages (swarm peer flag)")
     p.add_argument("--allreduce-delay-s", type=float, default=0.2, help="with --during-allreduce: after the step")
     p.add_argument(
