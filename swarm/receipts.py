@@ -94,14 +94,15 @@ def capped_weight(caps: dict[str, float] | None, peer: str, declared: float, glo
     return min(declared, cap)
 
 
+def impossible(reports: Iterable[tuple[str, int, int]], global_batch: int) -> list[str]:
+    """The peers of the progress `reports` (peer, epoch, samples) that claim more than `most_declared`."""
+    return [peer for peer, _, samples in reports if samples > most_declared(global_batch)]
+
+
 def credible_samples(reports: Iterable[tuple[str, int, int]], epoch: int, global_batch: int) -> tuple[int, list[str]]:
     """The samples a stage's replicas hold toward step `epoch`, from their progress `reports` (peer,
-    epoch, samples), leaving out the reports of more than `most_declared` samples; and those reports'
-    peers."""
-    most, total, liars = most_declared(global_batch), 0, []
-    for peer, at, samples in reports:
-        if samples > most:
-            liars.append(peer)
-        elif at == epoch:
-            total += samples
+    epoch, samples), leaving out the `impossible` ones; and those reports' peers."""
+    reports = list(reports)
+    liars = impossible(reports, global_batch)
+    total = sum(samples for peer, at, samples in reports if at == epoch and peer not in liars)
     return total, liars

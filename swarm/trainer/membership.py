@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import hivemind
 
 from swarm.config import RunConfig
-from swarm.receipts import Receipts, credible_samples
+from swarm.receipts import Receipts, impossible
 from swarm.records import (
     REFRESH_S,
     ControlState,
@@ -94,8 +94,7 @@ class Membership:
         """Ban the peers whose own signed progress reports claim more samples toward one step than any
         replica holds (swarm/receipts.py): a lie about their weight in their stage's average."""
         for k in range(self.num_stages):
-            _, liars = credible_samples(read_progress(self.dht, self.run.run_id, k), 0, self.run.training.global_batch)
-            for peer in liars:
+            for peer in impossible(read_progress(self.dht, self.run.run_id, k), self.run.training.global_batch):
                 if self.spot.convict(k, peer):
                     event(f"peer {peer} of stage {k} declared more samples for one step than any peer holds: banned")
                     self.record = self.record.model_copy(update={"served": self._receipts()})
