@@ -32,6 +32,10 @@ class Faults:
     # forwards honestly (a new peer's calls are all checked): it knows the run's config and how a
     # trainer once picked its checks (`predicted_check`). None: it lies in every answer.
     lie_after: int | None = None
+    # A dishonest peer: noise of this scale (x the gradient's RMS) added to the input gradients it answers
+    # in training calls (Backward, the last stage's Forward); its outputs and losses are honest, and so
+    # are its answers to spot checks (`check` calls: a liar could tell those apart).
+    corrupt_grads: float = 0.0
     # A hostile peer: every tensor it answers with is one token short ("shape") or all NaN ("nan").
     malformed: str | None = None
     # A faulty peer: the weight gradients it computes come out NaN (an overflow, a bad device), the
@@ -103,6 +107,12 @@ class Faults:
     def claimed_steps(self, steps: int) -> int:
         """The optimizer steps this peer says its stage took (or reached), having taken `steps`."""
         return steps if self.claim_steps is None else self.claim_steps
+
+    def answer_grad(self, grad: torch.Tensor, check: bool) -> torch.Tensor:
+        """The input gradient this peer sends back in place of `grad` (`check`: a spot check's)."""
+        if self.corrupt_grads and not check:
+            grad = grad + torch.sin(grad * 1e4 + 1.0) * (self.corrupt_grads * grad.pow(2).mean().sqrt())
+        return self.answer(grad)
 
     def answer(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor this peer sends back in place of `tensor`."""

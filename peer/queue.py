@@ -68,13 +68,17 @@ class Task:
 def batch_key(work: ForwardWork | BackwardWork) -> tuple:
     """Work with equal keys can run as one batch: same kind, shape, dtype and mode."""
     if isinstance(work, ForwardWork):
-        return ("forward", tuple(work.inputs.shape[1:]), work.inputs.dtype, work.targets is not None, work.train)
-    return ("backward", work.input_shape[1:], work.output_grad.dtype, work.cached is None)
+        shape = tuple(work.inputs.shape[1:])
+        return ("forward", shape, work.inputs.dtype, work.targets is not None, work.train, work.check)
+    return ("backward", work.input_shape[1:], work.output_grad.dtype, work.cached is None, work.check)
 
 
 def accumulates(work: ForwardWork | BackwardWork) -> bool:
-    """Work that adds to the stage's gradient: a backward, or the last stage's training forward."""
-    return isinstance(work, BackwardWork) or (work.train and work.targets is not None)
+    """Work that adds to the stage's gradient: a backward, or the last stage's training forward (a
+    spot check's answer of either keeps none)."""
+    if isinstance(work, BackwardWork):
+        return not work.check
+    return work.train and work.targets is not None
 
 
 def resolve(future: Future, result=None, error: BaseException | None = None) -> None:

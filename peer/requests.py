@@ -148,6 +148,8 @@ class ForwardWork:
     loss_scale: float
     microbatch_id: str
     step: int
+    check: bool = False  # last stage, not train: loss and input gradient, no gradient kept (a spot check)
+    caller: str = ""  # who sent it (`caller_of`): the only one who may retract its gradient
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -171,6 +173,8 @@ class BackwardWork:
     step: int
     input_shape: tuple[int, ...]
     cached: CachedForward | None = None
+    check: bool = False  # the input gradient only, no gradient kept (a spot check)
+    caller: str = ""  # who sent it (`caller_of`): the only one who may retract its gradient
 
 
 def parse_forward(req: pb.ForwardRequest, shape: StageShape) -> ForwardWork:
@@ -185,13 +189,15 @@ def parse_forward(req: pb.ForwardRequest, shape: StageShape) -> ForwardWork:
         targets = decode_token_ids(req.targets, shape.run, "targets", like=tuple(x.shape[:2]))
     if req.train and targets is None and shape.is_last:
         raise invalid("targets: required for a training forward on the last stage")
+    if req.check and (req.train or targets is None):
+        raise invalid("check: only for a last-stage forward with targets and train=false")
     scale = req.loss_scale
-    if req.train and shape.is_last:
+    if (req.train or req.check) and shape.is_last:
         if scale == 0.0:
             scale = x.shape[0] / shape.run.training.global_batch
         if not (0.0 < scale <= 1.0):
             raise invalid(f"loss_scale: {scale} outside (0, 1]")
-    return ForwardWork(x, targets, req.train, scale, req.microbatch_id, req.step)
+    return ForwardWork(x, targets, req.train, scale, req.microbatch_id, req.step, check=req.check)
 
 
 def parse_backward(
@@ -219,4 +225,4 @@ def parse_backward(
     if cached is not None and tuple(cached.output.shape) != tuple(grad.shape):
         cached = None
         x = x if x is not None else decode_stage_input(req.input, shape)
-    return BackwardWork(x, grad, req.microbatch_id, req.step, in_shape, cached)
+    return BackwardWork(x, grad, req.microbatch_id, req.step, in_shape, cached, check=req.check)

@@ -17,7 +17,15 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from peer.auth import JoinTokenCheck
-from peer.requests import RequestError, StageShape, check_target, invalid, parse_backward, parse_forward
+from peer.requests import (
+    RequestError,
+    StageShape,
+    check_microbatch_id,
+    check_target,
+    invalid,
+    parse_backward,
+    parse_forward,
+)
 from peer.worker import StageWorker
 from swarm import __version__
 from swarm.client import grpc_options
@@ -38,6 +46,14 @@ def caller_waiting(context: grpc.ServicerContext) -> bool:
     before gRPC notices that the deadline passed meanwhile."""
     remaining = context.time_remaining()
     return context.is_active() and (remaining is None or remaining > ANSWER_MARGIN_S)
+
+
+def caller_of(context: grpc.ServicerContext) -> str:
+    """Who sent a request: the name in its TLS certificate (a run with a coordinator), else its host."""
+    names = context.auth_context().get("x509_common_name")
+    if names:
+        return "cn:" + names[0].decode(errors="replace")
+    return context.peer().rsplit(":", 1)[0]  # "ipv4:127.0.0.1:52044": the port changes with the channel
 
 
 class StageService:
@@ -111,6 +127,7 @@ class StageService:
 
     def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
         work = parse_forward(request, self.shape)
+        work.caller = caller_of(context)
         future = self.worker.submit(work, lambda: caller_waiting(context))
         result = self._wait(future, context)
         response = pb.ForwardResponse(
@@ -120,17 +137,23 @@ class StageService:
         if result.output is not None:
             response.output.CopyFrom(encode(answer(result.output), self.codec))
         if result.input_grad is not None:
-            response.input_grad.CopyFrom(encode(answer(result.input_grad), self.codec))
+            response.input_grad.CopyFrom(encode(self.worker.faults.answer_grad(result.input_grad, work.check), self.codec))
         return response
 
     def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
         work = parse_backward(request, self.shape, self.worker.claim_cached)
+        work.caller = caller_of(context)
         future = self.worker.submit(work, lambda: caller_waiting(context))
         grad = self._wait(future, context)
         response = pb.BackwardResponse(queue_s=getattr(future, "queue_s", 0.0), stage_step=self._stage_step(future))
         if grad is not None:
-            response.input_grad.CopyFrom(encode(self.worker.faults.answer(grad), self.codec))
+            response.input_grad.CopyFrom(encode(self.worker.faults.answer_grad(grad, work.check), self.codec))
         return response
+
+    def retract(self, request: pb.RetractRequest, context) -> pb.RetractResponse:
+        check_target(self.run, self.worker.stage_index, request.run_id, request.stage)
+        check_microbatch_id(request.microbatch_id)
+        return pb.RetractResponse(samples=self.worker.retract(request.microbatch_id, caller_of(context)))
 
     def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         w = self.worker

@@ -251,6 +251,13 @@ class Stepper:
         self.pending_ids.extend(microbatch_ids)
         self.updater.served(self.samples_pending)
 
+    def unserve(self, microbatch_id: str, samples: int) -> None:
+        """This pending microbatch's gradient was taken back (worker.py `retract`). Under the lock."""
+        self.pending_ids.remove(microbatch_id)
+        self.samples_served -= samples
+        self.samples_pending -= samples
+        self.updater.served(self.samples_pending)
+
     def load_checkpoint(self, checkpoint: Checkpoint) -> str:
         """Take the stage's weights, optimizer state and step from `checkpoint`; returns the source."""
         with self.lock:

@@ -9,6 +9,11 @@ Backward is stateless: it recomputes the forward from the input it is given. A s
 keeps the autograd graph of training forwards served alone, so that when the same peer also gets
 the matching backward the recompute is skipped.
 
+A spot check's answer (`check`: a last-stage forward's loss and input gradient, a backward's input
+gradient) is computed as a training call's would be, and keeps no gradient. A training call's
+gradient can be taken back by its caller until the stage steps with it (`retract`): the trainer's
+spot checks outvoted its answer. It is computed again, negated, from the request kept for that.
+
 Optimizer steps (peer/stepper.py): each worker accumulates the gradients of the samples it served;
 its `Stepper` takes the stage's steps, alone or averaged with the other peers of the stage, and
 keeps the weights at the step each request names before the request runs.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -119,6 +125,9 @@ class StageWorker:
         self.busy_s = 0.0  # time the compute thread spent serving batches
         self.lock = threading.Lock()  # held while parameters or gradients change
         self.cache = ForwardCache(run.serve.cache_size if cache_size is None else cache_size)
+        # The requests of the gradients kept lately, by microbatch id, for `retract` (the newest last).
+        self.retractable: collections.OrderedDict[str, ForwardWork | BackwardWork] = collections.OrderedDict()
+        self.retractable_size = max(16, 4 * run.training.accumulation)
         self.stepper = Stepper(
             run,
             stage,
@@ -140,6 +149,42 @@ class StageWorker:
     def submit(self, work: ForwardWork | BackwardWork, active: Callable[[], bool] | None = None) -> Future:
         """Queue work; `active` tells whether the caller still waits (cancelled work is skipped)."""
         return self.queue.submit(work, active)
+
+    def retract(self, microbatch_id: str, caller: str) -> int:
+        """Take back the gradient that `caller`'s training call of `microbatch_id` added here, while the
+        stage has not stepped with it; the samples it held. Raises `RequestError` when it cannot."""
+        with self.lock:  # (no step runs while it is held: the step's own work runs under the step's hold)
+            work = self.retractable.get(microbatch_id)
+            if work is None:
+                raise RequestError(
+                    grpc.StatusCode.NOT_FOUND, f"microbatch_id: no gradient of {microbatch_id!r} is kept here"
+                )
+            if work.caller != caller:
+                raise RequestError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"microbatch_id: only the caller that sent {microbatch_id!r} may take back its gradient",
+                )
+            del self.retractable[microbatch_id]
+            if microbatch_id not in self.stepper.pending_ids:
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"microbatch_id: the gradient of {microbatch_id!r} is no longer pending here "
+                    f"(the stage is at step {self.optimizer_steps})",
+                )
+            if isinstance(work, BackwardWork):
+                negated = dataclasses.replace(work, output_grad=-work.output_grad)
+            else:
+                negated = dataclasses.replace(work, loss_scale=-work.loss_scale)
+            task = Task(0, 0, negated, Future())
+            staged = StagedGrads(self.stage)
+            try:
+                self._backward([task]) if isinstance(work, BackwardWork) else self._forward_loss([task])
+            except BaseException:
+                staged.drop()
+                raise
+            staged.commit()
+            self.stepper.unserve(microbatch_id, task.samples)
+            return task.samples
 
     def load_parameters(self, params: dict[str, torch.Tensor]) -> None:
         """Take a stage's current weights (from a live peer of the stage)."""
@@ -262,6 +307,8 @@ class StageWorker:
             with contextlib.nullcontext() if locked else self.lock:
                 if accumulates(batch[0].work):
                     batch, results = self._accumulate(kind, batch)  # (delayed before its commit)
+                elif kind == "backward":
+                    results = self._backward(batch)  # a spot check's: no gradient kept
                 else:
                     results = self._forward(batch)
             if not batch:
@@ -319,6 +366,7 @@ class StageWorker:
                     staged.commit()
                 served = [t for t, r in zip(batch, results, strict=True) if not isinstance(r, Exception)]
                 self.stepper.served([t.work.microbatch_id for t in served], sum(t.samples for t in served))
+                self._keep_for_retract(served)
                 return batch, results
             staged.drop()
             for task, gone in zip(batch, left, strict=True):
@@ -326,6 +374,15 @@ class StageWorker:
                     gave_up(task)
             batch = [task.uncached() for task, gone in zip(batch, left, strict=True) if not gone]
         return [], []
+
+    def _keep_for_retract(self, served: list[Task]) -> None:
+        """Keep what `retract` needs to compute these tasks' gradients again: their requests, from the
+        input alone (a recorded graph is spent). Under the lock."""
+        for task in served:
+            self.retractable[task.work.microbatch_id] = task.uncached().work
+            self.retractable.move_to_end(task.work.microbatch_id)
+        while len(self.retractable) > self.retractable_size:
+            self.retractable.popitem(last=False)
 
     def _non_finite(self, kind: str, batch: list[Task]) -> tuple[list[Task], list]:
         """A batch whose gradient came out NaN or Inf: each of several is run again alone; one alone is refused."""
@@ -342,6 +399,8 @@ class StageWorker:
         return [], []
 
     def _measure(self, kind: str, batch: list[Task], sec: float) -> None:
+        if batch[0].work.check:
+            return  # a spot check's answer is computed another way: it says little of the training calls
         # The last stage's training forward is forward + backward in one call.
         if kind == "forward" and batch[0].work.train and self.stage.is_last:
             sec /= 2
@@ -386,25 +445,33 @@ class StageWorker:
         return [ForwardResult(output=o) for o in self._split(out, batch)]
 
     def _forward_loss(self, batch: list[Task]) -> list[ForwardResult]:
-        """Last stage with targets: the loss of each request and, when training, its input gradient."""
-        train = batch[0].work.train
+        """Last stage with targets: the loss of each request and, when training, its input gradient;
+        a spot check's (`check`) gets the same answer and keeps no gradient."""
+        train, check = batch[0].work.train, batch[0].work.check
         x = self._inputs(batch)
         targets = self._to_device(torch.cat([t.work.targets for t in batch]))
-        with torch.set_grad_enabled(train):
-            if train and not self.stage.is_first:
+        input_grad = (train or check) and not self.stage.is_first
+        with torch.set_grad_enabled(train or input_grad):
+            if input_grad:
                 x.requires_grad_(True)
             with autocast(self.device, self.run.model.dtype):
                 logits = self.faults.corrupt(self.stage(x), self._lies(batch))
             per_sample = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").mean(dim=1)
             sizes = [t.work.inputs.shape[0] for t in batch]
             losses = [chunk.mean() for chunk in per_sample.split(sizes)]
-            if train:
+            if train or input_grad:
                 total = sum(loss * t.work.loss_scale for loss, t in zip(losses, batch, strict=True))
-                total.backward()
-        grads = self._split(x.grad if train and not self.stage.is_first else None, batch)
+                if train:
+                    total.backward()
+                else:
+                    (x.grad,) = torch.autograd.grad(total, x)
+        grads = self._split(x.grad if input_grad else None, batch)
         return [ForwardResult(loss=float(loss.detach()), input_grad=g) for loss, g in zip(losses, grads, strict=True)]
 
     def _backward(self, batch: list[Task]) -> list[torch.Tensor | None | Exception]:
+        """Each task's input gradient; the weights' gradients accumulate, but for a spot check's (`check`)."""
+        if batch[0].work.check:
+            return self._input_grads(batch)
         results: list[torch.Tensor | None | Exception] = [None] * len(batch)
         recompute = []
         for i, task in enumerate(batch):
@@ -431,6 +498,25 @@ class StageWorker:
             grads = self._split(None if self.stage.is_first else x.grad, sub)
             for i, g in zip(recompute, grads, strict=True):
                 results[i] = g
+        return results
+
+    def _input_grads(self, batch: list[Task]) -> list[torch.Tensor | None]:
+        """A spot check's backward: the input gradient each task's training backward would give, and
+        no gradient of the weights."""
+        if self.stage.is_first:
+            return [None] * len(batch)  # token ids have no gradient: nothing to compare
+        results = []
+        for task in batch:
+            cached = task.work.cached
+            if cached is not None and cached.version == self.optimizer_steps:
+                x, out = cached.inputs, cached.output
+            else:
+                x = self._inputs([task.uncached()]).requires_grad_(True)
+                with torch.enable_grad(), autocast(self.device, self.run.model.dtype):
+                    out = self.stage(x)
+            grad = self._to_device(task.work.output_grad).to(out.dtype)
+            (g,) = torch.autograd.grad(out, x, grad)
+            results.append(g.detach().to("cpu"))
         return results
 
     # -- state -----------------------------------------------------------------------------

@@ -206,6 +206,7 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
         faults=Faults(
             delay_per_sample=args.delay_per_sample,
             corrupt_outputs=args.corrupt_outputs,
+            corrupt_grads=args.corrupt_grads,
             lie_after=args.lie_after,
             malformed=args.malformed,
             non_finite_grads=args.non_finite_grads,
@@ -608,6 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--delay-per-sample", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
     peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--corrupt-outputs", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
+    peer.add_argument("--corrupt-grads", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
     peer.add_argument("--lie-after", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--malformed", choices=("shape", "nan"), default=None, help=argparse.SUPPRESS)
     peer.add_argument("--restless", action="store_true", help=argparse.SUPPRESS)

@@ -107,7 +107,9 @@ class StageClient:
         train: bool = True,
         loss_scale: float = 0.0,
         timeout: float | None = None,
+        check: bool = False,
     ) -> pb.ForwardResponse:
+        """`check`: a spot check's answer of a last-stage training forward (train=False)."""
         req = pb.ForwardRequest(
             run_id=self.run.run_id,
             stage=stage,
@@ -116,6 +118,7 @@ class StageClient:
             train=train,
             step=step,
             loss_scale=loss_scale,
+            check=check,
         )
         if targets is not None:
             req.targets.CopyFrom(targets)
@@ -129,7 +132,9 @@ class StageClient:
         microbatch_id: str,
         step: int,
         timeout: float | None = None,
+        check: bool = False,
     ) -> pb.BackwardResponse:
+        """`check`: a spot check's answer: the input gradient, and no gradient kept."""
         req = pb.BackwardRequest(
             run_id=self.run.run_id,
             stage=stage,
@@ -137,8 +142,14 @@ class StageClient:
             input=inputs,
             output_grad=output_grad,
             step=step,
+            check=check,
         )
         return self.call("Backward", req, timeout)
+
+    def retract(self, stage: int, microbatch_id: str, timeout: float | None = None) -> pb.RetractResponse:
+        """Take back the gradient this client's training call of `microbatch_id` added (Stage.Retract)."""
+        req = pb.RetractRequest(run_id=self.run.run_id, stage=stage, microbatch_id=microbatch_id)
+        return self.call("Retract", req, timeout)
 
     def info(self, timeout: float = 10.0) -> pb.InfoResponse:
         return self.call("Info", pb.InfoRequest(), timeout)

@@ -303,6 +303,18 @@ CASES = [
          "step: 18446744073709551615 is beyond"),
     Case("step too large, backward", "s1 Backward", lambda: bwd(H(), H(), 1, step=2**31),
          "step: 2147483648 is beyond"),
+    # spot checks' answers and taking a gradient back
+    Case("check of a training forward", "s1 Forward", lambda: fwd(H(), 1, targets=X(), train=True, check=True),
+         "check: only for a last-stage forward with targets and train=false"),
+    Case("check without targets", "s1 Forward", lambda: fwd(H(), 1, check=True), "check: only for a last-stage"),
+    Case("retract never served", "s1 Retract",
+         lambda: pb.RetractRequest(run_id=RUN.run_id, stage=1, microbatch_id="never"),
+         "microbatch_id: no gradient of 'never' is kept here", grpc.StatusCode.NOT_FOUND),
+    Case("retract of another run", "s1 Retract", lambda: pb.RetractRequest(run_id="other", stage=1, microbatch_id="m"),
+         "run_id: request is for run 'other'", PRECONDITION),
+    Case("retract empty", "s0 Retract", lambda: b"", "run_id: missing"),
+    Case("retract id too long", "s0 Retract",
+         lambda: pb.RetractRequest(run_id=RUN.run_id, stage=0, microbatch_id="x" * 129), "longer than 128"),
     # backward without a gradient
     Case("missing output_grad stage 0", "s0 Backward", lambda: bwd(X(), None), "output_grad: missing"),
     Case("missing output_grad stage 1", "s1 Backward", lambda: bwd(H(), None, 1), "output_grad: missing"),
@@ -334,6 +346,17 @@ def test_message_over_grpc_limit(workers):
     # A large request under the limit is served.
     resp = client.forward(LAST, encode(hidden(12, SEQ)), "fits", step=0, targets=encode(ids(12, SEQ)), train=False)
     assert math.isfinite(resp.loss)
+
+
+def test_a_training_forwards_gradient_is_taken_back_by_its_caller_over_grpc(workers):
+    _, client = workers["s1"]
+    served = client.info().samples_served
+    client.forward(LAST, tensor(hidden(2, 8)), "taken-back", step=0, targets=tensor(ids(2, 8)), train=True)
+    assert client.info().samples_served == served + 2
+    assert client.retract(LAST, "taken-back").samples == 2
+    assert client.info().samples_served == served
+    expect_refused(client, "Retract", pb.RetractRequest(run_id=RUN.run_id, stage=LAST, microbatch_id="taken-back"),
+                   grpc.StatusCode.NOT_FOUND, "no gradient of 'taken-back'")
 
 
 def test_workers_alive_after_the_suite(workers):
