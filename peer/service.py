@@ -137,7 +137,9 @@ class StageService:
         if result.output is not None:
             response.output.CopyFrom(encode(answer(result.output), self.codec))
         if result.input_grad is not None:
-            response.input_grad.CopyFrom(encode(self.worker.faults.answer_grad(result.input_grad, work.check), self.codec))
+            response.input_grad.CopyFrom(
+                encode(self.worker.faults.answer_grad(result.input_grad, work.check), self.codec)
+            )
         return response
 
     def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:

@@ -1,11 +1,12 @@
-"""Spot checks of the peers' forward outputs: a pure policy over observed answers.
+"""Spot checks of the peers' training answers: a pure policy over observed answers.
 
-The trainer sends a fraction of its training forward calls to a second peer of the same stage as
-an evaluation forward (train=False: no gradient is accumulated twice) and compares the two
-answers: hidden states on the inner stages, the microbatch's loss on the last stage. Both peers
-got the same input bytes and hold the same weights (the replicas of a stage apply the same
-averaged step), so honest answers differ only by floating-point noise (batching, kernels) and by
-the wire codec's rounding; the tolerance is derived from those two.
+The trainer sends a fraction of its training calls to a second peer of the same stage as well and
+compares the two answers: hidden states on the inner stages, the microbatch's loss and input
+gradient on the last stage, the input gradient of a Backward. The second answer keeps no gradient
+where the call would add one (swarm/trainer/spotcheck.py). Both peers got the same input bytes and
+hold the same weights (the replicas of a stage apply the same averaged step), so honest answers
+differ only by floating-point noise (batching, kernels) and by the wire codec's rounding; the
+tolerance is derived from those two.
 
 When two answers disagree, a third peer of the stage arbitrates: the peer whose answer disagrees
 with both others while those two agree is the odd one out and gets a strike; after `strikes`
@@ -20,7 +21,7 @@ counted and nobody is banned, so one peer can never get an honest peer banned on
 Which calls are checked is decided by a keyed hash (HMAC) of the stage and the microbatch's name
 under a secret that only the trainer holds (drawn anew for each trainer), so a peer cannot work out
 which of its calls are checked: the microbatch ids it sees are keyed hashes too (`opaque_id`), and a
-check of an inner stage is a training forward like any other (swarm/trainer/spotcheck.py).
+training call a liar would corrupt cannot be told from an unchecked one (swarm/trainer/spotcheck.py).
 Besides, while a peer of the stage has passed fewer than `first_checks`
 checks since it joined or was last outvoted, every call of the stage is checked, the peer with the
 fewest passed checks answering as the second one: a new peer is checked at once, and an outvoted
@@ -108,7 +109,22 @@ def one_per_host(peers: Sequence[str], host_of: Callable[[str], str], taken: Col
     return kept
 
 
-def odd_one_out(answers: Sequence[torch.Tensor], agree: Callable[[torch.Tensor, torch.Tensor], bool]) -> int | None:
+# What a check compares: one tensor, or several (the last stage's loss and input gradient), each
+# within its own tolerance.
+Answer = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def agree(a: Answer, b: Answer, rtol: float | tuple[float, ...]) -> bool:
+    """Whether two answers agree: every part within its tolerance (`rtol`: one for all, or one each);
+    answers of different parts never do."""
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    rtols = rtol if isinstance(rtol, tuple) else (rtol,) * len(a)
+    if not len(a) == len(b) == len(rtols):
+        return False
+    return all(relative_error(x, y) <= r for x, y, r in zip(a, b, rtols, strict=True))
+
+
+def odd_one_out(answers: Sequence[Answer], agree: Callable[[Answer, Answer], bool]) -> int | None:
     """The index of the one answer that disagrees with every other while all the others agree with
     each other; None when there is no such answer (all agree, or no majority, or fewer than 3)."""
     if len(answers) < 3:
@@ -196,21 +212,21 @@ class SpotChecks:
     def judge(
         self,
         stage: int,
-        answers: Sequence[tuple[str, torch.Tensor]],
-        rtol: float,
-        arbiter: Callable[[], tuple[str, torch.Tensor] | None] = lambda: None,
+        answers: Sequence[tuple[str, Answer]],
+        rtol: float | tuple[float, ...],
+        arbiter: Callable[[], tuple[str, Answer] | None] = lambda: None,
         now: float | None = None,
     ) -> Verdict:
         """Judge one spot check from two peers' answers (peer id, answer); when they disagree,
-        `arbiter` is asked for a third peer's (None: there is none)."""
+        `arbiter` is asked for a third peer's (None: there is none). `rtol`: see `agree`."""
 
-        def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
-            return relative_error(a, b) <= rtol
+        def same(a: Answer, b: Answer) -> bool:
+            return agree(a, b, rtol)
 
-        agreed = agree(answers[0][1], answers[1][1])
+        agreed = same(answers[0][1], answers[1][1])
         if not agreed and (third := arbiter()) is not None:
             answers = [*answers, third]
-        odd = None if agreed else odd_one_out([a for _, a in answers], agree)
+        odd = None if agreed else odd_one_out([a for _, a in answers], same)
         state = self.stages[stage]
         with self._lock:
             self.checks += 1

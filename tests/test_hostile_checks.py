@@ -6,6 +6,11 @@ a loopback address of its own (a machine of its own, unless two ids share one), 
   its checks answers honestly until it is trusted, then corrupts only the calls it predicts are not
   checked. The checks are keyed by the trainer's secret, the ids it sees are opaque and inner-stage
   checks look like training calls: it lies where it is checked, and is banned.
+- A liar that answers spot checks honestly (it can tell them apart: they keep no gradient) and
+  corrupts the input gradients of its training answers, on the last stage (where its loss stays
+  honest) or in an inner stage's Backward. The training call it lies in cannot be told from an
+  unchecked one: it is outvoted and banned, each outvoted gradient is taken back and its microbatch
+  redone on an honest peer, and no microbatch is applied twice.
 - Two Sybil ids on one machine tell the same lie. Votes count once per host: they can neither
   confirm each other's answers nor outvote an honest peer, and two honest machines outvote them.
 
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.ledger import count
 from tests.conftest import run_cli
 from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
 
@@ -39,9 +45,12 @@ def reference_loss(config: Path, tmp: Path) -> float:
     return json.loads(log.read_text().splitlines()[-1])["val_loss"]
 
 
-def checked_config(tmp: Path, fraction: float) -> Path:
+def checked_config(tmp: Path, fraction: float, stages: int = 2) -> Path:
     config = tmp / "run.toml"
-    config.write_text(TINY.read_text() + f"\n[verify]\nfraction = {fraction}\n")
+    text = TINY.read_text()
+    assert text.count("[stages]\ncount = 2\n") == 1
+    text = text.replace("[stages]\ncount = 2\n", f"[stages]\ncount = {stages}\n")
+    config.write_text(text + f"\n[verify]\nfraction = {fraction}\n")
     return config
 
 
@@ -77,6 +86,39 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_p
         assert banned_peers(out) == [(liar, "0")], out[-3000:]  # the liar, and nobody else
         liar_log = (tmp_path / "liar.log").read_text()
         assert "Traceback" not in liar_log
+    finally:
+        swarm.close()
+
+
+@pytest.mark.parametrize("where", ["last stage", "inner backward"])
+def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_gradients_taken_back(tmp_path, where):
+    stages = 2 if where == "last stage" else 3
+    config = checked_config(tmp_path, 0.5, stages)
+    swarm = Swarm(tmp_path, config)
+    try:
+        names = []
+        for k in range(stages):
+            here = ["honest{k}a", "honest{k}b", "liar"] if k == 1 else [f"s{k}"]
+            for name in here:
+                name = name.format(k=k)
+                # The honest peers of stage 1 are slower: the router sends the liar most of its calls.
+                extra = ("--corrupt-grads", "1.0") if name == "liar" else ("--delay-per-sample", "0.01")
+                swarm.add_peer(name, k, *(extra if k == 1 else ()))
+                names.append(name)
+        state = swarm.wait_online(names)
+        liar = peer_record(state, "liar")["peer_id"]
+        swarm.train(STEPS, 4, 20)
+        records = assert_trained_like_the_reference(swarm, config, tmp_path)
+        out = swarm.trainer.output()
+        assert banned_peers(out) == [(liar, "1")], out[-3000:]  # the liar, and nobody else
+        last = records[-1]
+        # Each of the liar's outvoted training answers (two strikes ban it): its gradient taken back and
+        # its microbatch redone on an honest peer, or, where the stage had stepped with it already,
+        # counted as kept and not redone (it would count twice).
+        assert last["outvoted_taken_back"] + last["outvoted_kept"] >= 2, last
+        assert last["redone"] == last["outvoted_taken_back"], last
+        ledger = count(records, swarm.applied(), stages=stages)
+        assert ledger.applied_twice == 0, ledger.summary()
     finally:
         swarm.close()
 

@@ -24,7 +24,8 @@ from tests.conftest import CONFIGS
 
 TINY = load_config(CONFIGS / "tiny.toml").with_stages(3)
 # A global batch of 4 microbatches: the tests' few calls stay pending (until the last test fills it).
-RUN = TINY.model_copy(update={"training": TINY.training.model_copy(update={"global_batch": 4 * TINY.training.micro_batch})})
+BATCH = 4 * TINY.training.micro_batch
+RUN = TINY.model_copy(update={"training": TINY.training.model_copy(update={"global_batch": BATCH})})
 T = RUN.training
 SCALE = T.micro_batch / T.global_batch
 D, V = RUN.model.d_model, RUN.model.vocab_size

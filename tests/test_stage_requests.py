@@ -355,8 +355,13 @@ def test_a_training_forwards_gradient_is_taken_back_by_its_caller_over_grpc(work
     assert client.info().samples_served == served + 2
     assert client.retract(LAST, "taken-back").samples == 2
     assert client.info().samples_served == served
-    expect_refused(client, "Retract", pb.RetractRequest(run_id=RUN.run_id, stage=LAST, microbatch_id="taken-back"),
-                   grpc.StatusCode.NOT_FOUND, "no gradient of 'taken-back'")
+    expect_refused(
+        client,
+        "Retract",
+        pb.RetractRequest(run_id=RUN.run_id, stage=LAST, microbatch_id="taken-back"),
+        grpc.StatusCode.NOT_FOUND,
+        "no gradient of 'taken-back'",
+    )
 
 
 def test_workers_alive_after_the_suite(workers):

@@ -39,9 +39,11 @@ class RunFailed(Exception):
     request as malformed): one line for the operator, no traceback."""
 
 
-# `send(client, train)`: makes one forward call of a microbatch; a spot check sends it twice, once as
-# an evaluation forward (train=False).
-ForwardSend = Callable[[StageClient, bool], pb.ForwardResponse]
+# `send(client, train, check=False)`: makes one forward call of a microbatch; a spot check sends it
+# twice, the second time as a training forward (inner stages) or a `check` (the last stage).
+ForwardSend = Callable[..., pb.ForwardResponse]
+# `send(client, check)`: makes one Backward call of a microbatch (`check`: a spot check's answer).
+BackwardSend = Callable[[StageClient, bool], pb.BackwardResponse]
 
 
 class StageCaller(Protocol):
@@ -66,9 +68,30 @@ class StageCaller(Protocol):
         ...
 
     def forward(
-        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend, check: Check | None = None
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        train: bool,
+        send: ForwardSend,
+        check: Check | None = None,
+        mb_id: str = "",
     ) -> tuple[pb.ForwardResponse, str]:
-        """One forward call of microbatch `name` to `stage`; `send(client, train)` makes it."""
+        """One forward call of microbatch `name` (e.g. "12.3": step and index; `mb_id`: its id as the
+        peers see it) to `stage`; `send` makes it."""
+        ...
+
+    def backward(
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        send: BackwardSend,
+        prefer: str | None = None,
+        check: Check | None = None,
+        mb_id: str = "",
+    ) -> tuple[pb.BackwardResponse, str]:
+        """One Backward call of microbatch `name` to `stage` (`prefer`: the worker that ran its forward)."""
         ...
 
     def served(self, stage: int, peer: str, samples: int) -> None:

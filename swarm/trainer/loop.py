@@ -133,7 +133,13 @@ def microbatch(
 
     for k in range(last):
         out, peer = caller.forward(
-            k, samples, name, train, lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t), output_ok
+            k,
+            samples,
+            name,
+            train,
+            lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t),
+            output_ok,
+            mb_id=mb_id,
         )
         heard(k, peer, out)
         inputs.append(out.output)
@@ -145,8 +151,11 @@ def microbatch(
         samples,
         name,
         train,
-        lambda c, t: c.forward(last, inputs[last], mb_id, step, targets=targets, train=t, loss_scale=scale),
+        lambda c, t, check=False: c.forward(
+            last, inputs[last], mb_id, step, targets=targets, train=t, loss_scale=scale, check=check
+        ),
         loss_ok,
+        mb_id=mb_id,
     )
     heard(last, peer, out)
     if train:
@@ -154,12 +163,14 @@ def microbatch(
         grad = out.input_grad
         for k in range(last - 1, -1, -1):
             # The worker that ran the forward may still hold its graph: try it first.
-            back, peer = caller.call(
+            back, peer = caller.backward(
                 k,
                 samples,
-                lambda c, k=k, g=grad: c.backward(k, inputs[k], g, mb_id, step),
+                name,
+                lambda c, check, k=k, g=grad: c.backward(k, inputs[k], g, mb_id, step, check=check),
                 prefer=served_by[k],
                 check=grad_ok if k > 0 else None,
+                mb_id=mb_id,
             )
             heard(k, peer, back)
             caller.served(k, peer, samples)

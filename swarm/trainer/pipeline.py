@@ -16,7 +16,7 @@ from swarm.client import StageClient
 from swarm.config import ConfigError, RunConfig
 from swarm.progress import RunLog
 from swarm.rpc import pb
-from swarm.trainer.caller import REQUEST_FAULTS, Check, ForwardSend, RunFailed, T
+from swarm.trainer.caller import REQUEST_FAULTS, BackwardSend, Check, ForwardSend, RunFailed, T
 from swarm.trainer.loop import run_training
 from swarm.trainer.options import TrainerOptions
 from swarm.wire import WireError
@@ -79,9 +79,28 @@ class StaticCaller:
         return answer, str(stage)
 
     def forward(
-        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend, check: Check | None = None
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        train: bool,
+        send: ForwardSend,
+        check: Check | None = None,
+        mb_id: str = "",
     ) -> tuple[pb.ForwardResponse, str]:
         return self.call(stage, samples, lambda c: send(c, train), check=check)
+
+    def backward(
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        send: BackwardSend,
+        prefer: str | None = None,
+        check: Check | None = None,
+        mb_id: str = "",
+    ) -> tuple[pb.BackwardResponse, str]:
+        return self.call(stage, samples, lambda c: send(c, False), check=check)  # (no one to take it back from)
 
     def served(self, stage: int, peer: str, samples: int) -> None:
         pass  # one worker per stage, nobody to average with: no receipts

@@ -1,9 +1,20 @@
-"""Spot checks of forward calls, as a caller that wraps the swarm's (the policy: swarm/verify.py).
+"""Spot checks of training calls, as a caller that wraps the swarm's (the policy: swarm/verify.py).
 
-A checked training forward is also sent to a second peer of the stage, on another machine (votes
-count once per host: a volunteer's side-by-side ids are one voter); when the two answers disagree a
-third peer, on a third machine, arbitrates, and a peer outvoted `strikes` times is dropped from the
-routing until its ban ends. Every other call passes through unchanged.
+A checked call is also sent to a second peer of the stage, on another machine (votes count once per
+host: a volunteer's side-by-side ids are one voter), and the two answers are compared: an inner
+stage's hidden states, the last stage's loss and input gradient, a Backward's input gradient. When
+they disagree a third peer, on a third machine, arbitrates, and a peer outvoted `strikes` times is
+dropped from the routing until its ban ends. Every other call passes through unchanged.
+
+The second answer must look like any training call to the peer that gives it, or a liar would lie
+only where it is not asked twice. An inner stage's check is a training forward (it only records a
+graph: the gradient comes with the backward, sent to one of the two). A call that adds to the
+stage's gradient (the last stage's forward, a Backward) is asked of the second peer as a `check`,
+which keeps no gradient, so nothing is counted twice; the training call itself, the one a liar would
+corrupt, cannot be told from an unchecked one. When the training answer is outvoted, the trainer
+takes its gradient back (`Retract`, honoured while the stage has not stepped with it; a liar may
+ignore it, and then holds one microbatch more than its receipts say) and has the microbatch redone
+on a peer that agreed, whose answer is checked against the agreed one in turn.
 """
 
 from __future__ import annotations
@@ -11,26 +22,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import grpc
 import torch
 
 from swarm.client import StageClient
 from swarm.rpc import pb
-from swarm.trainer.caller import Check, ForwardSend, T, event
+from swarm.trainer.caller import BackwardSend, Check, ForwardSend, T, event
 from swarm.trainer.membership import Membership
-from swarm.verify import SpotChecks, one_per_host, tolerance
-from swarm.wire import decode
+from swarm.verify import LOSS_RTOL, Answer, SpotChecks, agree, one_per_host, tolerance
+from swarm.wire import WireError, decode
 
 if TYPE_CHECKING:  # swarm.py builds a SpotCheckCaller around its SwarmCaller
     from swarm.trainer.swarm import SwarmCaller
 
 
 class SpotCheckCaller:
-    """A `StageCaller`: the calls of `inner`, with a share of its forward calls checked by `spot`;
+    """A `StageCaller`: the calls of `inner`, with a share of its training calls checked by `spot`;
     peers it bans are dropped from `members`."""
 
     def __init__(self, inner: SwarmCaller, members: Membership, spot: SpotChecks):
         self.inner, self.members, self.spot = inner, members, spot
         self.run, self.trace = inner.run, inner.trace
+        self.taken_back = 0  # outvoted training answers whose gradient their peer took back
+        self.kept_outvoted = 0  # ... whose peer did not (a liar, gone, or the stage had stepped)
+        self.redone = 0  # microbatches redone on another peer after an outvoted training answer
 
     @property
     def failures(self) -> int:
@@ -47,37 +62,113 @@ class SpotCheckCaller:
         return self.inner.call(stage, samples, fn, prefer=prefer, check=check)
 
     def forward(
-        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend, check: Check | None = None
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        train: bool,
+        send: ForwardSend,
+        check: Check | None = None,
+        mb_id: str = "",
     ) -> tuple[pb.ForwardResponse, str]:
+        last = stage == self.run.stages.count - 1
+        if not train or not self._due(stage, name):
+            return self.inner.forward(stage, samples, name, train, send, check, mb_id)
+        if not last:  # the check is a training forward too; the gradient comes with the backward
+            return self._checked(stage, samples, name, mb_id, lambda c: send(c, True), lambda c: send(c, True), check)
+        rtols = (LOSS_RTOL[self.run.model.dtype], self._rtol())
+        return self._checked(
+            stage,
+            samples,
+            name,
+            mb_id,
+            lambda c: send(c, True),
+            lambda c: send(c, False, True),
+            check,
+            rtol=rtols if stage > 0 else rtols[:1],
+            accumulates=True,
+        )
+
+    def backward(
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        send: BackwardSend,
+        prefer: str | None = None,
+        check: Check | None = None,
+        mb_id: str = "",
+    ) -> tuple[pb.BackwardResponse, str]:
+        # Stage 0 answers no input gradient (token ids have none): nothing to compare.
+        if stage == 0 or not self._due(stage, f"{name}/backward"):
+            return self.inner.backward(stage, samples, name, send, prefer, check, mb_id)
+        return self._checked(
+            stage,
+            samples,
+            name,
+            mb_id,
+            lambda c: send(c, False),
+            lambda c: send(c, True),
+            check,
+            prefer=prefer,
+            accumulates=True,
+        )
+
+    def _due(self, stage: int, name: str) -> bool:
+        peers = self.members.live(stage)
+        hosts = self.members.hosts(stage)
+        return len(one_per_host(peers, lambda p: hosts.get(p, p))) >= 2 and self.spot.due(stage, name, peers)
+
+    def _rtol(self) -> float:
+        return self.run.verify.rtol or tolerance(self.run.wire.codec, self.run.model.dtype)
+
+    def _checked(
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        mb_id: str,
+        train: Callable[[StageClient], T],
+        ask: Callable[[StageClient], T],
+        check: Check | None = None,
+        prefer: str | None = None,
+        rtol: float | tuple[float, ...] | None = None,
+        accumulates: bool = False,
+    ) -> tuple[T, str]:
+        """A training call (`train`) compared with a second peer's answer to the same request
+        (`ask`), and a third's when they disagree; the answer to use and its peer. `prefer`: the
+        training call's peer, when it can; `accumulates`: the training call adds to the stage's
+        gradient (its second answers keep none), so an outvoted one is taken back and redone."""
         peers = self.members.live(stage)
         hosts = self.members.hosts(stage)
 
         def host(p: str) -> str:
             return hosts.get(p, p)
 
-        if not train or len(one_per_host(peers, host)) < 2 or not self.spot.due(stage, name, peers):
-            return self.inner.forward(stage, samples, name, train, send, check)
+        def beside(p: str) -> set[str]:  # one machine's ids are one voter
+            return {q for q in peers if host(q) == host(p)}
+
         call = self.inner.call
-        last = stage == self.run.stages.count - 1
-        # On an inner stage a training forward only records its graph (the gradient comes with the
-        # backward, which goes to the peer whose answer is used), so the check is a training forward
-        # too: a peer cannot tell the checked calls from the others. On the last stage a training
-        # forward adds to the stage's gradient, so its check stays an evaluation forward.
-        as_training = not last
-        # The check goes first: on the last stage the training forward completes the microbatch's
-        # gradient, the stage may step right after it, and a check sent then could see the next
-        # step's weights.
+        rtol = self._rtol() if rtol is None else rtol
+        # The second answer comes first: once the training call's gradient is kept, the stage may
+        # step, and an answer computed after that would be of the next step's weights.
+        # (It is not checked here: a malformed one loses the comparison below.)
+        candidates = [p for p in peers if prefer is None or host(p) != host(prefer)]
         second, checker = call(
-            stage, samples, lambda c: send(c, as_training), prefer=self.spot.checker(stage, peers), timed=False
+            stage,
+            samples,
+            ask,
+            prefer=self.spot.checker(stage, candidates),
+            avoid=beside(prefer) if prefer else (),
+            timed=False,
         )
-        # (The checker's answer is not checked here: a malformed one loses the comparison below.)
-        beside = {p for p in peers if host(p) == host(checker)}  # one machine's ids are one voter
-        out, peer = call(stage, samples, lambda c: send(c, True), avoid=beside | {checker}, check=check)
+        out, peer = call(stage, samples, train, prefer=prefer, avoid=beside(checker) | {checker}, check=check)
         if host(peer) == host(checker):  # no peer of another machine could answer: nothing to compare
             return out, peer
-        rtol = self.run.verify.rtol or tolerance(self.run.wire.codec, self.run.model.dtype, encoded=not last)
+        answers = [(peer, _answer(out)), (checker, _answer(second))]
+        responses = {peer: out, checker: second}
 
-        def arbiter() -> tuple[str, torch.Tensor] | None:
+        def arbiter() -> tuple[str, Answer] | None:
             voted = {host(peer), host(checker)}
             others = one_per_host([p for p in peers if p not in self.spot.banned], host, taken=voted)
             if not others:
@@ -85,21 +176,80 @@ class SpotCheckCaller:
             third, who = call(
                 stage,
                 samples,
-                lambda c: send(c, as_training),
+                ask,
                 prefer=self.spot.checker(stage, others),
                 avoid={p for p in peers if host(p) in voted},
                 timed=False,
             )
-            return (who, _answer(third, last)) if host(who) not in voted else None
+            if host(who) in voted:
+                return None
+            answers.append((who, _answer(third)))
+            responses[who] = third
+            return answers[-1]
 
-        answers = [(peer, _answer(out, last)), (checker, _answer(second, last))]
-        verdict = self.spot.judge(stage, answers, rtol, arbiter)
-        if verdict.banned:
-            self.members.drop(stage, verdict.odd)
-            event(f"spot check: banned peer {verdict.odd} of stage {stage} at microbatch {name}")
-        if verdict.odd == peer and not last:
-            return second, checker  # pass the agreed hidden states on, not the outvoted ones
-        return out, peer
+        verdict = self.spot.judge(stage, answers[:2], rtol, arbiter)
+        if verdict.odd != peer:
+            if verdict.odd is not None:
+                self._banned(stage, name, verdict.odd, verdict.banned)
+            return out, peer
+        agreed = [(p, a) for p, a in answers if p != peer]
+        if not accumulates:  # nothing kept on the outvoted peer: pass the agreed answer on
+            self._banned(stage, name, peer, verdict.banned)
+            return second, checker
+        taken_back = self._take_back(stage, peer, mb_id)
+        self._banned(stage, name, peer, verdict.banned)
+        if not taken_back:
+            # The stage stepped with the outvoted gradient (or its peer would not take it back): redone
+            # elsewhere, the microbatch would count twice. What goes on upstream is the agreed answer.
+            return responses[agreed[0][0]], peer
+        return self._redo(stage, samples, name, mb_id, train, check, agreed, {host(peer)}, host, rtol)
+
+    def _redo(
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        mb_id: str,
+        train: Callable[[StageClient], T],
+        check: Check | None,
+        agreed: list[tuple[str, Answer]],
+        tried: set[str],
+        host: Callable[[str], str],
+        rtol: float | tuple[float, ...],
+    ) -> tuple[T, str]:
+        """The training call of a microbatch whose training answer was outvoted, made again on a peer
+        whose answer agreed, and on the next while the new answer disagrees with the agreed one (a
+        liar can answer a check honestly and lie in training calls)."""
+        self.redone += 1
+        expected = agreed[0][1]
+        while True:
+            prefer = next((p for p, _ in agreed if host(p) not in tried), None)
+            avoid = {p for p in self.members.live(stage) if host(p) in tried}
+            out, peer = self.inner.call(stage, samples, train, prefer=prefer, avoid=avoid, check=check)
+            if host(peer) in tried or agree(_answer(out), expected, rtol):
+                return out, peer  # (a machine tried before: no other left to ask)
+            tried.add(host(peer))
+            taken_back = self._take_back(stage, peer, mb_id)
+            self._banned(stage, name, peer, self.spot.strike(stage, peer))
+            if not taken_back:
+                return out, peer  # (as in `_checked`: redone again, it would count twice)
+
+    def _take_back(self, stage: int, peer: str, mb_id: str) -> bool:
+        """Ask `peer` to take back the gradient its training call of microbatch `mb_id` kept; whether it did."""
+        try:
+            self.inner.direct(stage, peer, lambda c: c.retract(stage, mb_id))
+        except (grpc.RpcError, LookupError) as err:
+            self.kept_outvoted += 1
+            why = err.details() if isinstance(err, grpc.RpcError) else str(err)
+            event(f"spot check: peer {peer} of stage {stage} kept its outvoted gradient of {mb_id}: {why}")
+            return False
+        self.taken_back += 1
+        return True
+
+    def _banned(self, stage: int, name: str, peer: str, banned: bool) -> None:
+        if banned:
+            self.members.drop(stage, peer)
+            event(f"spot check: banned peer {peer} of stage {stage} at microbatch {name}")
 
     def served(self, stage: int, peer: str, samples: int) -> None:
         self.inner.served(stage, peer, samples)
@@ -122,12 +272,28 @@ class SpotCheckCaller:
             "spot_checks": self.spot.checks,
             "spot_disagreements": self.spot.disagreements,
             "spot_bans": self.spot.bans,
+            "outvoted_taken_back": self.taken_back,
+            "outvoted_kept": self.kept_outvoted,
+            "redone": self.redone,
         }
 
     def close(self) -> None:
         self.inner.close()
 
 
-def _answer(response: pb.ForwardResponse, last: bool) -> torch.Tensor:
-    """What a check compares: the hidden states, or on the last stage the microbatch's loss."""
-    return torch.tensor([response.loss]) if last else decode(response.output, "output")
+def _answer(response: pb.ForwardResponse | pb.BackwardResponse) -> Answer:
+    """What a check compares: a forward's hidden states, or its loss (and input gradient: the last
+    stage), or a Backward's input gradient. A part that does not decode compares as NaN (never equal)."""
+
+    def part(msg: pb.Tensor, field: str) -> torch.Tensor:
+        try:
+            return decode(msg, field)
+        except WireError:
+            return torch.tensor([float("nan")])
+
+    if isinstance(response, pb.BackwardResponse):
+        return (part(response.input_grad, "input_grad"),)
+    if response.HasField("output"):
+        return (part(response.output, "output"),)
+    loss = (torch.tensor([response.loss]),)
+    return loss + (part(response.input_grad, "input_grad"),) if response.HasField("input_grad") else loss

@@ -23,7 +23,7 @@ from swarm.identity import Member
 from swarm.join import join_dht
 from swarm.progress import RunLog
 from swarm.rpc import pb
-from swarm.trainer.caller import REQUEST_FAULTS, CallerClosed, Check, ForwardSend, RunFailed, T, event
+from swarm.trainer.caller import REQUEST_FAULTS, BackwardSend, CallerClosed, Check, ForwardSend, RunFailed, T, event
 from swarm.trainer.clients import IdleClients
 from swarm.trainer.leases import CoordinatorShards
 from swarm.trainer.loop import run_training
@@ -81,6 +81,7 @@ class SwarmCaller:
         self.bans = 0  # failing peers banned (a peer that already left the routing is not banned)
         self.bad_answers = 0  # answers that failed their check: blamed on the peer, retried elsewhere
         self._closed = threading.Event()  # set by close(): calls in progress end
+        self._called: dict[str, str] = {}  # peer id -> the address it was last called at (`direct`)
 
     def client(self, peer: str, address: str) -> StageClient:
         """The client for `peer` at `address`: its channel checks that the server there is `peer`."""
@@ -153,6 +154,7 @@ class SwarmCaller:
                 self.note("train")
                 waited = False
             start = time.monotonic()
+            self._called[peer] = address
             try:
                 with deadline(timeout):
                     response = fn(self.client(peer, address))
@@ -197,9 +199,37 @@ class SwarmCaller:
             return response, peer
 
     def forward(
-        self, stage: int, samples: int, name: str, train: bool, send: ForwardSend, check: Check | None = None
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        train: bool,
+        send: ForwardSend,
+        check: Check | None = None,
+        mb_id: str = "",
     ) -> tuple[pb.ForwardResponse, str]:
         return self.call(stage, samples, lambda c: send(c, train), check=check)
+
+    def backward(
+        self,
+        stage: int,
+        samples: int,
+        name: str,
+        send: BackwardSend,
+        prefer: str | None = None,
+        check: Check | None = None,
+        mb_id: str = "",
+    ) -> tuple[pb.BackwardResponse, str]:
+        return self.call(stage, samples, lambda c: send(c, False), prefer=prefer, check=check)
+
+    def direct(self, stage: int, peer: str, fn: Callable[[StageClient], T]) -> T:
+        """`fn` against `peer` of `stage` itself, at the address it was last called at: no routing,
+        no retry elsewhere, no ban when it fails (grpc.RpcError; LookupError: never called)."""
+        address = self._called.get(peer)
+        if address is None:
+            raise LookupError(f"peer {peer} of stage {stage} was never called")
+        with deadline(self.min_deadline):
+            return fn(self.client(peer, address))
 
     def served(self, stage: int, peer: str, samples: int) -> None:
         self.members.receipts.add(stage, peer, samples)
