@@ -18,6 +18,7 @@ import grpc
 import hivemind
 import httpx
 import pytest
+import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
@@ -47,6 +48,7 @@ from swarm.records import (
     visible_maddrs,
 )
 from swarm.rpc import SERVICE, method_path, pb
+from swarm.wire import encode
 from tests.processes import child, member_dht, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
 from tests.test_swarm import Swarm, peer_record
@@ -124,6 +126,7 @@ REQUESTS = {
     "Parameters": pb.ParametersRequest(run_id="tiny", stage=0),
     "Forward": pb.ForwardRequest(run_id="tiny", stage=0, microbatch_id="x"),
     "Backward": pb.BackwardRequest(run_id="tiny", stage=0, microbatch_id="x"),
+    "Retract": pb.RetractRequest(run_id="tiny", stage=0, microbatch_id="x"),
 }
 
 
@@ -179,6 +182,36 @@ class Intruder:
         )
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
+
+
+def test_a_member_cannot_take_back_the_gradient_of_anothers_training_call(guarded):
+    """A hostile member that learned a microbatch id (every stage sees the ids) asks the last stage's
+    peer to take back that microbatch's gradient (`Retract`), which would silently drop a trainer's
+    samples: refused, as only the caller that sent the training call may."""
+    state = wait_for_state(guarded.url, lambda s: peer_record(s, "p1"))
+    p1 = peer_record(state, "p1")
+    run = guarded.run
+    trainer = join_run(guarded.url, RSAPrivateKey(), "trainer", run.run_id, JOIN_TOKEN)
+    hostile = join_run(guarded.url, RSAPrivateKey(), "trainer", run.run_id, JOIN_TOKEN)
+    clients = [StageClient(p1["address"], run, member=m, peer_id=p1["peer_id"]) for m in (trainer, hostile)]
+    honest, thief = clients
+    try:
+        step = honest.info().optimizer_steps
+        x = encode(torch.randn(2, 8, run.model.d_model))
+        targets = encode(torch.randint(0, run.model.vocab_size, (2, 8)))
+        scale = 2 / run.training.global_batch
+        honest.forward(1, x, "trainer-mb-7", step, targets=targets, train=True, loss_scale=scale)
+        served = honest.info().samples_served
+        with pytest.raises(grpc.RpcError) as refused:
+            thief.retract(1, "trainer-mb-7")
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+        assert "only the caller that sent 'trainer-mb-7'" in refused.value.details()
+        assert honest.info().samples_served == served, "the thief's retract dropped the trainer's samples"
+        assert honest.retract(1, "trainer-mb-7").samples == 2  # its own caller may
+        assert honest.info().samples_served == served - 2
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_an_outsider_who_joins_the_dht_with_its_own_key_gets_no_call_and_no_token(guarded, tmp_path):
