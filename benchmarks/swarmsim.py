@@ -17,8 +17,8 @@ with (`stats`). A stage then serves at most the sum of its live peers' speeds, a
 most over-planned peer allows; calls that went to a peer that is gone fail (`failed`: banned with
 back-off, a retried share), the others report the speed the peer served at (`done`).
 
-The oracle at each step: the best pipeline throughput the peers present could give, each at its
-effective speed (compute and link), on the best assignment: `swarm.rebalance.best_assignment`
+The oracle at each step: the best pipeline throughput the peers present could give (those that have
+served since they joined: a newcomer's first download is no policy's doing), each at its effective speed (compute and link), on the best assignment: `swarm.rebalance.best_assignment`
 exhaustively for small swarms, else the bound sum / stages (no assignment does better).
 """
 
@@ -89,6 +89,7 @@ class SimPeer:
     ready_at: float = 0.0  # when the current download (join or move) ends
     next_check: float = 0.0
     started: float = 0.0
+    serving: bool = False  # has served since it joined: from then on, a move's download counts against the policy
 
 
 @dataclass
@@ -189,8 +190,9 @@ class Simulation:
         stages: list[list[PeerRecord]] = [[] for _ in range(self.o.stages)]
         for p in self.peers.values():
             stages[p.stage].append(
-                PeerRecord.model_construct(
+                PeerRecord(  # validated: faster than pydantic's model_construct (130 us against 2)
                     peer_id=p.peer_id,
+                    address="",
                     stage=p.stage,
                     state=p.state,
                     moving_to=p.moving_to,
@@ -227,7 +229,7 @@ class Simulation:
                 if p.state == "leaving":
                     p.stage, p.moving_to, p.state, p.ready_at = p.moving_to, None, "joining", self.now
                 if p.state == "joining":
-                    p.state = "online"
+                    p.state, p.serving = "online", True
 
     def rebalance(self) -> None:
         o = self.o
@@ -241,7 +243,7 @@ class Simulation:
             if o.policy == "swarm":
                 if not steady[p.delay_class]:
                     continue  # a check that falls due while the swarm is unsteady waits (peer/daemon.py)
-                me = PeerRecord.model_construct(peer_id=p.peer_id, stage=p.stage, state="online")
+                me = PeerRecord(peer_id=p.peer_id, stage=p.stage, address="", state="online")
                 target = should_move(view, me, o.margin)
                 p.next_check = self.now + self.rng.uniform(0.5, 1.5) * o.period_s
             else:
@@ -291,7 +293,8 @@ class Simulation:
         self.publish()
         self.rebalance()
         achieved = self.route()
-        present = [p.effective for p in self.peers.values()]
+        # A newcomer's first download is no policy's doing: the oracle counts a peer once it has served.
+        present = [p.effective for p in self.peers.values() if p.serving]
         self.count_dht()
         res = self.result
         res.times.append(self.now)
@@ -301,18 +304,23 @@ class Simulation:
         self.now += REFRESH_S
 
     def start(self) -> None:
-        """The swarm at time 0: the peers join one after another, each picking its stage."""
+        """The swarm at time 0: the peers have joined one after another, each picking its stage, and
+        downloaded their stage."""
+        self.publish()
         for _ in range(self.o.peers):
             peer = self.new_peer()
             self.join(peer)
-            self.publish()
+            peer.ready_at = self.now
+            if self.counter % 20 == 0:  # the DHT shows a newcomer the swarm with the last few missing
+                self.publish()
+        self.settle()
         if self.o.policy == "static":
             # A plan made once for the peers at the start (DT-FM-style): the best assignment.
             peers = list(self.peers.values())
             plan = best_assignment([p.effective for p in peers], [p.stage for p in peers], self.o.stages)
             for p, k in zip(peers, plan, strict=True):
                 p.stage = k
-            self.publish()
+        self.publish()
 
     def recovery(self, goal: float) -> float | None:
         """Seconds from the mass departure until achieved ÷ oracle is back to `goal`."""
