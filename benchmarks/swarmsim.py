@@ -18,8 +18,9 @@ most over-planned peer allows; calls that went to a peer that is gone fail (`fai
 back-off, a retried share), the others report the speed the peer served at (`done`).
 
 The oracle at each step: the best pipeline throughput the peers present could give (those that have
-served since they joined: a newcomer's first download is no policy's doing), each at its effective speed (compute and link), on the best assignment: `swarm.rebalance.best_assignment`
-exhaustively for small swarms, else the bound sum / stages (no assignment does better).
+served since they joined: a newcomer's first download is no policy's doing), each at its effective
+speed (compute and link), on the best assignment: `swarm.rebalance.best_assignment` exhaustively for
+small swarms, else the bound sum / stages (no assignment does better).
 """
 
 from __future__ import annotations
@@ -213,7 +214,8 @@ class Simulation:
         while self.departures and self.departures[0][0] <= self.now:
             _, pid = heapq.heappop(self.departures)
             self.peers.pop(pid, None)
-        if o.mass_leave_at_min is not None and self.result.mass_leave_at is None and self.now >= o.mass_leave_at_min * 60:
+        due = o.mass_leave_at_min is not None and self.now >= o.mass_leave_at_min * 60
+        if due and self.result.mass_leave_at is None:
             gone = r.sample(sorted(self.peers), int(len(self.peers) * o.mass_leave_fraction))
             for pid in gone:
                 del self.peers[pid]

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from swarm.records import PeerRecord, SwarmView
 
-
 MIN_LIFT = 0.01  # the least a planned move lifts the lowest stage by, as a fraction of its total (large swarms)
 
 
@@ -53,10 +52,11 @@ def best_assignment(throughputs: list[float], current: list[int], num_stages: in
 def _lift_lowest(throughputs: list[float], current: list[int], num_stages: int) -> list[int]:
     """`current`, with peers moved one at a time to the lowest stage, each time the one move that lifts
     it most, until no move lifts it by `MIN_LIFT` of its total (smaller gains are not worth a peer's
-    download, and chasing them moved 23 stragglers of a 160-peer swarm about for 2%). A plan made from scratch instead (each peer, fastest first, to the
-    stage with the lowest total) differs from `current` for most peers of a swarm that churn has put
-    slightly off balance, and every peer that checks moves: in a simulation of 100 peers on 8 stages
-    (benchmarks/simulate.py), 21 moves per peer-hour, and the pipeline at 0.43 of the oracle."""
+    download, and chasing them moved 23 stragglers of a 160-peer swarm about for 2%). A plan made
+    from scratch instead (each peer, fastest first, to the stage with the lowest total) differs from
+    `current` for most peers of a swarm that churn has put slightly off balance, and every peer that
+    checks moves: in a simulation of 100 peers on 8 stages with churn (benchmarks/simulate.py), 21
+    moves per peer-hour, and the pipeline at 0.40 of the oracle."""
     assign = list(current)
     totals = [0.0] * num_stages
     for x, k in zip(throughputs, assign, strict=True):

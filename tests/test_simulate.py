@@ -49,8 +49,11 @@ def test_peers_started_on_a_bad_plan_are_moved_by_the_real_policy_and_static_nev
 def test_petals_moves_only_when_balance_quality_is_below_the_threshold():
     def view(totals: list[list[float]]) -> SwarmView:
         stages = [
-            [PeerRecord(peer_id=f"p{k}{i}", stage=k, address="x:1", throughput=x, state="online") for i, x in enumerate(s)]
-            for k, s in enumerate(totals)
+            [
+                PeerRecord(peer_id=f"p{k}{i}", stage=k, address="", throughput=x, state="online")
+                for i, x in enumerate(xs)
+            ]
+            for k, xs in enumerate(totals)
         ]
         return SwarmView(stages=stages, trainers=[], read_at=0.0)
 
