@@ -10,7 +10,9 @@ DT-FM-style; joiners placed by swarm/placement.py, nobody moves).
 
 Per run, one row: achieved throughput ÷ oracle averaged over time; seconds after the mass departure
 until the ratio is back to `--goal` (inf: never); moves per peer-hour; share of microbatches with a
-failed hop (retried); DHT messages per node per second; wall seconds. Beside the results, the plot
+failed hop (retried); DHT messages per node per second; wall seconds. Peers announce as their
+capacity what their device's benchmark measures (compute only), as peers do today; with
+`--link-in-capacity`, the lower of compute and link. Beside the results, the plot
 simulate_ratio.svg: the ratio over simulated time for the largest size, one line per policy.
 """
 
@@ -72,6 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mass-leave-at-min", type=positive, default=None, help="when (default: half-way)")
     p.add_argument("--period", type=positive, default=30.0, help="rebalance.period_s of the swarm policy")
     p.add_argument("--goal", type=float, default=0.9, help="ratio that counts as recovered")
+    p.add_argument(
+        "--link-in-capacity",
+        action="store_true",
+        help="peers announce the lower of compute and link as their capacity (today: compute only)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true", help="do not write simulate_ratio.svg")
 
@@ -108,6 +115,7 @@ def run(args: argparse.Namespace) -> str:
                 policy=policy,
                 period_s=args.period,
                 seed=args.seed,
+                link_in_capacity=args.link_in_capacity,
             )
             sim, wall = simulate(options, args.goal)
             res = sim.result
@@ -129,6 +137,7 @@ def run(args: argparse.Namespace) -> str:
                     "peers",
                     "stages",
                     "policy",
+                    "capacity announced",
                     "minutes",
                     "session min",
                     "mass leave",
@@ -143,6 +152,7 @@ def run(args: argparse.Namespace) -> str:
                     n,
                     args.stages,
                     policy,
+                    "compute and link" if args.link_in_capacity else "compute",
                     f"{args.minutes:g}",
                     f"{args.session_min:g}",
                     f"{args.mass_leave:g} at {at:g} min" if args.mass_leave > 0 else "none",

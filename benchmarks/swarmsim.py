@@ -67,6 +67,7 @@ class SimOptions:
     petals_period_s: float = 60.0
     petals_quality: float = 0.75
     seed: int = 0
+    link_in_capacity: bool = False  # peers announce compute and link together (default: compute, as peers do today)
 
 
 DEFAULT_DEVICES = (
@@ -197,12 +198,16 @@ class Simulation:
                     stage=p.stage,
                     state=p.state,
                     moving_to=p.moving_to,
-                    throughput=p.device.speed if p.state == "online" else 0.0,
-                    capacity=p.device.speed,  # what a real peer's device benchmark measures: compute only
+                    throughput=self.announced(p) if p.state == "online" else 0.0,
+                    capacity=self.announced(p),
                     updated=self.now,
                 )
             )
         self.history.appendleft(SwarmView.model_construct(stages=stages, trainers=[], read_at=self.now))
+
+    def announced(self, p: SimPeer) -> float:
+        """What a peer announces it can do: its device's benchmark (compute only), unless `link_in_capacity`."""
+        return p.effective if self.o.link_in_capacity else p.device.speed
 
     def view(self, delay_class: int) -> SwarmView:
         return self.history[min(delay_class, len(self.history) - 1)]
@@ -313,8 +318,8 @@ class Simulation:
             peer = self.new_peer()
             self.join(peer)
             peer.ready_at = self.now
-            if self.counter % 20 == 0:  # the DHT shows a newcomer the swarm with the last few missing
-                self.publish()
+            self.settle()
+            self.publish()
         self.settle()
         if self.o.policy == "static":
             # A plan made once for the peers at the start (DT-FM-style): the best assignment.
@@ -322,7 +327,8 @@ class Simulation:
             plan = best_assignment([p.effective for p in peers], [p.stage for p in peers], self.o.stages)
             for p, k in zip(peers, plan, strict=True):
                 p.stage = k
-        self.publish()
+        for _ in range(DELAY_CLASSES):  # every reader, however late, sees the swarm as it starts
+            self.publish()
 
     def recovery(self, goal: float) -> float | None:
         """Seconds from the mass departure until achieved ÷ oracle is back to `goal`."""

@@ -18,8 +18,9 @@ def run(options: SimOptions) -> Simulation:
     return sim
 
 
-def test_200_peers_with_churn_reach_nine_tenths_of_the_oracle_over_10_minutes():
-    sim = run(SimOptions(peers=200, stages=8, minutes=10, mass_leave_at_min=None, seed=1))
+def test_200_peers_with_churn_reach_nine_tenths_of_the_oracle_over_10_minutes_when_capacity_counts_the_link():
+    # Peers that announce their compute only are balanced on the wrong numbers: 0.86 here (seed 1).
+    sim = run(SimOptions(peers=200, stages=8, minutes=10, mass_leave_at_min=None, seed=1, link_in_capacity=True))
     assert 150 < len(sim.peers) < 250, "churn keeps the population about where it started"
     assert sim.result.ratio >= 0.9, f"achieved ÷ oracle {sim.result.ratio:.3f}"
 
