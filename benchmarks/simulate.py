@@ -19,6 +19,7 @@ simulate_ratio.svg: the ratio over simulated time for the largest size, one line
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 
 from tqdm import tqdm
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from benchmarks.plot import line_chart
 from benchmarks.results import append_row, target
 from benchmarks.swarmsim import SimOptions, Simulation
+from swarm import rebalance
 
 SECTION = "simulate: 8 stages, churn and a mass departure, achieved throughput ÷ oracle"
 PLOT_NAME = "simulate_ratio.svg"
@@ -98,6 +100,12 @@ def simulate(options: SimOptions, goal: float) -> tuple[Simulation, float]:
     return sim, time.monotonic() - began
 
 
+def policy_version() -> str:
+    """The first 8 hex digits of the SHA-256 of swarm/rebalance.py: which version of the policy a row measured."""
+    with open(rebalance.__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:8]
+
+
 def run(args: argparse.Namespace) -> str:
     at = args.mass_leave_at_min if args.mass_leave_at_min is not None else args.minutes / 2
     if at >= args.minutes:
@@ -137,6 +145,7 @@ def run(args: argparse.Namespace) -> str:
                     "peers",
                     "stages",
                     "policy",
+                    "rebalance.py sha256",
                     "capacity announced",
                     "minutes",
                     "session min",
@@ -152,6 +161,7 @@ def run(args: argparse.Namespace) -> str:
                     n,
                     args.stages,
                     policy,
+                    policy_version(),
                     "compute and link" if args.link_in_capacity else "compute",
                     f"{args.minutes:g}",
                     f"{args.session_min:g}",
