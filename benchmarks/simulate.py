@@ -100,10 +100,14 @@ def simulate(options: SimOptions, goal: float) -> tuple[Simulation, float]:
     return sim, time.monotonic() - began
 
 
-def policy_version() -> str:
-    """The first 8 hex digits of the SHA-256 of swarm/rebalance.py: which version of the policy a row measured."""
+def _policy_version() -> str:
+    """The first 8 hex digits of the SHA-256 of swarm/rebalance.py as imported: which version of the
+    policy the rows measured (read once, at import, so that a later edit of the file does not relabel them)."""
     with open(rebalance.__file__, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:8]
+
+
+POLICY_VERSION = _policy_version()
 
 
 def run(args: argparse.Namespace) -> str:
@@ -161,7 +165,7 @@ def run(args: argparse.Namespace) -> str:
                     n,
                     args.stages,
                     policy,
-                    policy_version(),
+                    POLICY_VERSION,
                     "compute and link" if args.link_in_capacity else "compute",
                     f"{args.minutes:g}",
                     f"{args.session_min:g}",
