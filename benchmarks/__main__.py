@@ -21,6 +21,7 @@ BENCHMARKS = {
     "local": "the reference trainer: tokens/s and memory",
     "pipeline": "2 stage workers + trainer vs the reference trainer: tokens/s",
     "rebalance": "peers of different speeds find the balanced assignment",
+    "simulate": "1,000 simulated peers with churn, decided by the real policies: throughput vs an oracle",
     "trainers": "one vs two trainers on one swarm, disjoint shards: samples/s",
     "scale": "real model sizes: reference trainer vs a 2-stage swarm, tokens/s, MFU, peak memory, loss",
     "verify": "spot checks: a liar's effect on loss, and the checks' overhead",

@@ -38,6 +38,7 @@ TINY = {
         *("--configs", "tiny", "--steps", "2", "--micro-batch", "2", "--global-batch", "4", "--inflight", "2", *LOGS)
     ],
     "rebalance": ["--delays", "0,0.05", "--start", "0,0", "--period", "1", "--hold", "1", "--timeout-s", "90", *LOGS],
+    "simulate": ["--peers", "40", "--minutes", "4", "--policies", "swarm,static"],
     "trainers": ["--steps", "12", "--warmup", "1", "--delays", "0.005,0.01", "--timeout-s", "240", *LOGS],
     "verify": ["--steps", "3", "--repeat", "0", "--tail", "2", *LOGS],
     "wire": ["--reps", "2", "--warmup", "1", "--codecs", "bf16", "--modules", "noop", "--batch", "2"],
@@ -68,6 +69,7 @@ ORDER = [
     ),
     "data",
     "local",
+    "simulate",
 ]
 
 

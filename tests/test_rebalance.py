@@ -149,3 +149,23 @@ def test_a_peer_in_the_middle_of_a_move_counts_on_its_new_stage():
     gone = record("a", 1, 1.0, state="leaving")
     view = SwarmView(stages=[stay, [gone]], trainers=[], read_at=0.0)
     assert [should_move(view, p) for p in stay].count(1) == 1
+
+
+def test_a_large_swarm_moves_a_few_peers_to_a_stage_that_lost_many_and_none_for_a_small_loss():
+    # 8 stages x 20 peers of mixed speeds: too many for the exhaustive search.
+    speeds = [1.0, 2.2, 3.5, 5.0, 0.05] * 4
+    throughputs, current = speeds * 8, [k for k in range(8) for _ in speeds]
+    small = best_assignment(throughputs[1:], current[1:], 8)  # stage 0 lost one T4: 2% of its total
+    assert small == current[1:]
+    throughputs, current = throughputs[5:], current[5:]  # stage 0 lost 5 peers: 25% of its total
+    target = best_assignment(throughputs, current, 8)
+    moved = [i for i, (a, c) in enumerate(zip(target, current, strict=True)) if a != c]
+    totals = [sum(x for x, k in zip(throughputs, target, strict=True) if k == s) for s in range(8)]
+    assert 1 <= len(moved) <= 8 and min(totals) > 1.1 * sum(throughputs[:15])
+
+
+def test_a_large_swarm_all_on_one_stage_is_spread_over_every_stage():
+    throughputs = [1.0 + (i % 5) for i in range(40)]
+    target = best_assignment(throughputs, [0] * 40, 8)
+    totals = [sum(x for x, k in zip(throughputs, target, strict=True) if k == s) for s in range(8)]
+    assert min(totals) >= 0.8 * sum(throughputs) / 8
