@@ -55,8 +55,9 @@ def _lift_lowest(throughputs: list[float], current: list[int], num_stages: int) 
     download, and chasing them moved 23 stragglers of a 160-peer swarm about for 2%). A plan made
     from scratch instead (each peer, fastest first, to the stage with the lowest total) differs from
     `current` for most peers of a swarm that churn has put slightly off balance, and every peer that
-    checks moves: in a simulation of 100 peers on 8 stages with churn (benchmarks/simulate.py), 21
-    moves per peer-hour, and the pipeline at 0.40 of the oracle."""
+    checks moves: in a simulation of 100 peers on 8 stages with churn (benchmarks/simulate.py, the
+    rows of results.md), 17 moves per peer-hour and the pipeline at 0.58 of the oracle, against 0.59
+    and 0.84 with this."""
     assign = list(current)
     totals = [0.0] * num_stages
     for x, k in zip(throughputs, assign, strict=True):
