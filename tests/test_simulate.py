@@ -37,14 +37,13 @@ def test_a_slow_uplink_lowers_a_peers_effective_speed_below_its_compute():
     assert slow_link < fast_link < 5.0
 
 
-def test_peers_started_on_a_bad_plan_are_moved_by_the_real_policy_and_static_never_moves():
-    # Stragglers only: a bad start cannot be fixed by placement, only by moves.
+def test_the_real_policy_moves_peers_and_the_static_plan_never_does():
+    # A100s and stragglers, no churn: the join choices leave the stages uneven enough for a move.
     devices = (Device("A100", 5.0, 0.5), Device("CPU", 0.2, 0.5))
     base = SimOptions(peers=60, stages=4, minutes=8, mass_leave_at_min=None, session_min=10_000, devices=devices)
     moved = run(base)
     static = run(dataclasses.replace(base, policy="static"))
-    assert static.result.moves == 0
-    assert moved.result.ratio > 0.5
+    assert moved.result.moves >= 1 and static.result.moves == 0, (moved.result.moves, static.result.moves)
 
 
 def test_petals_moves_only_when_balance_quality_is_below_the_threshold():
