@@ -11,8 +11,11 @@ DT-FM-style; joiners placed by swarm/placement.py, nobody moves).
 Per run, one row: achieved throughput ÷ oracle averaged over time; seconds after the mass departure
 until the ratio is back to `--goal` (inf: never); moves per peer-hour; share of microbatches with a
 failed hop (retried); DHT messages per node per second; wall seconds. Peers announce as their
-capacity what their device's benchmark measures (compute only), as peers do today; with
-`--link-in-capacity`, the lower of compute and link. Beside the results, the plot
+capacity the lower of their device's benchmark and their link's speed test, as real peers do
+(peer/throughput.py `capacity`); with `--compute-only-capacity`, the benchmark alone. The mass
+departure takes its peers from the first `--mass-leave-stages` stages (an outage that hits some
+stages, so that recovering needs peers to move), and departed peers' records stay in the DHT until
+they expire, as a killed peer's do. Beside the results, the plot
 simulate_ratio.svg: the ratio over simulated time for the largest size, one line per policy.
 """
 
@@ -79,9 +82,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--period", type=positive, default=30.0, help="rebalance.period_s of the swarm policy")
     p.add_argument("--goal", type=float, default=0.9, help="ratio that counts as recovered")
     p.add_argument(
-        "--link-in-capacity",
+        "--mass-leave-stages",
+        type=int,
+        default=2,
+        metavar="N",
+        help="the peers that leave at once all come from the first N stages (0: from every stage)",
+    )
+    p.add_argument(
+        "--compute-only-capacity",
         action="store_true",
-        help="peers announce the lower of compute and link as their capacity (today: compute only)",
+        help="peers announce their device's benchmark alone as their capacity (as before the link counted)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true", help="do not write simulate_ratio.svg")
@@ -112,7 +122,16 @@ def _policy_version() -> str:
 POLICY_VERSION = _policy_version()
 
 
+def mass_leave(args: argparse.Namespace, at: float) -> str:
+    if args.mass_leave <= 0:
+        return "none"
+    where = f"from stages 0-{args.mass_leave_stages - 1}" if args.mass_leave_stages else "from all stages"
+    return f"{args.mass_leave:g} at {at:g} min {where}"
+
+
 def run(args: argparse.Namespace) -> str:
+    if not 0 <= args.mass_leave_stages <= args.stages:
+        raise SystemExit(f"--mass-leave-stages {args.mass_leave_stages} is not within 0..{args.stages} (--stages)")
     at = args.mass_leave_at_min if args.mass_leave_at_min is not None else args.minutes / 2
     if at >= args.minutes:
         raise SystemExit(f"--mass-leave-at-min {at:g} is not within the {args.minutes:g} simulated minutes")
@@ -129,7 +148,8 @@ def run(args: argparse.Namespace) -> str:
                 policy=policy,
                 period_s=args.period,
                 seed=args.seed,
-                link_in_capacity=args.link_in_capacity,
+                mass_leave_stages=args.mass_leave_stages,
+                link_in_capacity=not args.compute_only_capacity,
             )
             sim, wall = simulate(options, args.goal)
             res = sim.result
@@ -168,10 +188,10 @@ def run(args: argparse.Namespace) -> str:
                     args.stages,
                     policy,
                     POLICY_VERSION,
-                    "compute and link" if args.link_in_capacity else "compute",
+                    "compute" if args.compute_only_capacity else "compute and link",
                     f"{args.minutes:g}",
                     f"{args.session_min:g}",
-                    f"{args.mass_leave:g} at {at:g} min" if args.mass_leave > 0 else "none",
+                    mass_leave(args, at),
                     f"{res.ratio:.3f}",
                     recovery,
                     f"{moves_per_peer_hour:.2f}",

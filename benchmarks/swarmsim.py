@@ -31,8 +31,9 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from peer.throughput import capacity
 from swarm.placement import pick_stage
-from swarm.rebalance import Steadiness, best_assignment, should_move
+from swarm.rebalance import best_assignment, peer_steadiness, planned_moves, should_move, stage_totals
 from swarm.records import REFRESH_S, TTL_S, PeerRecord, SwarmView
 from swarm.routing import Router
 
@@ -61,13 +62,14 @@ class SimOptions:
     session_min: float = 60.0  # mean session length (exponential); joins keep the mean population
     mass_leave_at_min: float | None = 60.0  # when a fraction of the peers leaves at once (None: never)
     mass_leave_fraction: float = 0.2
+    mass_leave_stages: int = 0  # the peers that leave at once come from this many stages (0: from all)
     policy: str = "swarm"  # swarm | petals | static
     period_s: float = 30.0  # rebalance.period_s
     margin: float = 0.1  # rebalance.margin
     petals_period_s: float = 60.0
     petals_quality: float = 0.75
     seed: int = 0
-    link_in_capacity: bool = False  # peers announce compute and link together (default: compute, as peers do today)
+    link_in_capacity: bool = True  # peers announce the lower of compute and link (peer/throughput.py `capacity`)
 
 
 DEFAULT_DEVICES = (
@@ -84,6 +86,7 @@ class SimPeer:
     peer_id: str
     device: Device
     effective: float  # samples/s it can serve: compute, link and latency together
+    capacity: float  # samples/s it announces: compute and link (peer/throughput.py `capacity`)
     delay_class: int
     stage: int = 0
     state: str = "joining"  # joining | online | leaving
@@ -118,10 +121,10 @@ class SimResult:
         return [(t, a / o) for t, a, o in zip(self.times, self.achieved, self.oracle, strict=True) if o > 0]
 
 
-def effective_speed(compute: float, up_mbit: float, down_mbit: float, latency_s: float, act_mb: float) -> float:
-    """Samples/s of a peer: a microbatch's compute, upload and download one after another, plus a round trip."""
-    per_call = MICROBATCH * (1 / compute + act_mb * 8 / up_mbit + act_mb * 8 / down_mbit) + latency_s
-    return MICROBATCH / per_call
+def effective_speed(capacity: float, latency_s: float) -> float:
+    """Samples/s a peer serves: its compute and link (`capacity`, peer/throughput.py) and a round trip
+    per microbatch."""
+    return MICROBATCH / (MICROBATCH / capacity + latency_s)
 
 
 def oracle(speeds_by_peer: list[float], stages: int) -> float:
@@ -148,7 +151,9 @@ class Simulation:
         self.now = 0.0
         self.history: deque[SwarmView] = deque(maxlen=DELAY_CLASSES)
         # Peers of one delay class read the same views at the same steps, so they share one Steadiness.
-        self.steadiness = [Steadiness(settle_s=TTL_S, max_age_s=2 * REFRESH_S) for _ in range(DELAY_CLASSES)]
+        self.steadiness = [peer_steadiness() for _ in range(DELAY_CLASSES)]
+        self.records: dict[str, PeerRecord] = {}  # each live peer's record as last written
+        self.ghosts: dict[str, PeerRecord] = {}  # departed peers' last records, in the DHT until they expire
         self.routers = [Router() for _ in range(options.stages)]
         self.result = SimResult()
 
@@ -157,15 +162,11 @@ class Simulation:
     def new_peer(self) -> SimPeer:
         r = self.rng
         device = r.choices(self.devices, weights=[d.share for d in self.devices])[0]
-        speed = effective_speed(
-            device.speed,
-            r.uniform(*self.o.uplink_mbit),
-            r.uniform(*self.o.downlink_mbit),
-            r.uniform(*self.o.latency_ms) / 1000,
-            self.o.activation_mb,
-        )
+        up, down = r.uniform(*self.o.uplink_mbit), r.uniform(*self.o.downlink_mbit)
+        announced = capacity(device.speed, up * 1e6, down * 1e6, self.o.activation_mb * 1e6, self.o.activation_mb * 1e6)
+        speed = effective_speed(announced, r.uniform(*self.o.latency_ms) / 1000)
         self.counter += 1
-        peer = SimPeer(f"p{self.counter:05d}", device, speed, r.randrange(DELAY_CLASSES), started=self.now)
+        peer = SimPeer(f"p{self.counter:05d}", device, speed, announced, r.randrange(DELAY_CLASSES), started=self.now)
         peer.next_check = self.now + r.uniform(0.5, 1.5) * self.o.period_s
         heapq.heappush(self.departures, (self.now + r.expovariate(1 / (self.o.session_min * 60)), peer.peer_id))
         return peer
@@ -177,9 +178,14 @@ class Simulation:
         if stage is None:
             view = self.view(peer.delay_class)
             counts = [len(s) for s in view.stages]
-            stage = pick_stage(view.stage_throughputs(), counts)
+            stage = pick_stage(stage_totals(view), counts)
         peer.stage, peer.state, peer.ready_at = stage, "joining", self.now + self.download_s()
         self.peers[peer.peer_id] = peer
+
+    def depart(self, pid: str) -> None:
+        """A peer leaves without a word (closed laptop, lost link): its record stays until it expires."""
+        if self.peers.pop(pid, None) is not None and pid in self.records:
+            self.ghosts[pid] = self.records.pop(pid)
 
     def move(self, peer: SimPeer, target: int) -> None:
         peer.state, peer.moving_to, peer.ready_at = "leaving", target, self.now + 2.0 + self.download_s()
@@ -188,11 +194,15 @@ class Simulation:
     # -- the DHT -----------------------------------------------------------------------------------
 
     def publish(self) -> None:
-        """Every peer's record as written this step (one store per peer)."""
+        """Every peer's record as written this step (one store per peer), and the departed peers' records
+        that have not expired yet."""
         stages: list[list[PeerRecord]] = [[] for _ in range(self.o.stages)]
+        self.ghosts = {pid: g for pid, g in self.ghosts.items() if self.now - g.updated < TTL_S}
+        for g in self.ghosts.values():
+            stages[g.stage].append(g)
         for p in self.peers.values():
             stages[p.stage].append(
-                PeerRecord(  # validated: faster than pydantic's model_construct (130 us against 2)
+                record := PeerRecord(  # validated: faster than pydantic's model_construct (130 us against 2)
                     peer_id=p.peer_id,
                     address="",
                     stage=p.stage,
@@ -203,11 +213,13 @@ class Simulation:
                     updated=self.now,
                 )
             )
+            self.records[p.peer_id] = record
         self.history.appendleft(SwarmView.model_construct(stages=stages, trainers=[], read_at=self.now))
 
     def announced(self, p: SimPeer) -> float:
-        """What a peer announces it can do: its device's benchmark (compute only), unless `link_in_capacity`."""
-        return p.effective if self.o.link_in_capacity else p.device.speed
+        """What a peer announces it can do: the lower of its device's benchmark and its link's speed test
+        (peer/throughput.py `capacity`); without `link_in_capacity`, the benchmark alone."""
+        return p.capacity if self.o.link_in_capacity else p.device.speed
 
     def view(self, delay_class: int) -> SwarmView:
         return self.history[min(delay_class, len(self.history) - 1)]
@@ -218,12 +230,13 @@ class Simulation:
         o, r = self.o, self.rng
         while self.departures and self.departures[0][0] <= self.now:
             _, pid = heapq.heappop(self.departures)
-            self.peers.pop(pid, None)
+            self.depart(pid)
         due = o.mass_leave_at_min is not None and self.now >= o.mass_leave_at_min * 60
         if due and self.result.mass_leave_at is None:
-            gone = r.sample(sorted(self.peers), int(len(self.peers) * o.mass_leave_fraction))
-            for pid in gone:
-                del self.peers[pid]
+            hit = range(o.mass_leave_stages or o.stages)
+            pool = sorted(pid for pid, p in self.peers.items() if p.stage in hit)
+            for pid in r.sample(pool, min(len(pool), int(len(self.peers) * o.mass_leave_fraction))):
+                self.depart(pid)
             self.result.mass_leave_at = self.now
         # Joins keep the population: n / session length per second on average (Poisson per step).
         lam = o.peers / (o.session_min * 60) * REFRESH_S
@@ -243,6 +256,7 @@ class Simulation:
         if o.policy == "static":
             return
         steady = [self.steadiness[c].observe(self.view(c), self.now) for c in range(DELAY_CLASSES)]
+        plans: dict[int, dict[str, int]] = {}  # the peers of one delay class read one view: one plan
         for p in list(self.peers.values()):
             if p.state != "online" or self.now < p.next_check:
                 continue
@@ -250,11 +264,12 @@ class Simulation:
             if o.policy == "swarm":
                 if not steady[p.delay_class]:
                     continue  # a check that falls due while the swarm is unsteady waits (peer/daemon.py)
-                me = PeerRecord(peer_id=p.peer_id, stage=p.stage, address="", state="online")
-                target = should_move(view, me, o.margin)
+                if p.delay_class not in plans:
+                    plans[p.delay_class] = planned_moves(view, o.margin)
+                target = should_move(view, self.records[p.peer_id], o.margin, plan=plans[p.delay_class])
                 p.next_check = self.now + self.rng.uniform(0.5, 1.5) * o.period_s
             else:
-                target = petals_choice(view, p.stage, p.device.speed, o.petals_quality)
+                target = petals_choice(view, p.stage, self.announced(p), o.petals_quality)
                 p.next_check = self.now + o.petals_period_s
             if target is not None:
                 self.move(p, target)

@@ -48,10 +48,9 @@ from swarm.identity import Member
 from swarm.join import join_dht
 from swarm.placement import pick_stage
 from swarm.ready import PeerReady, write_ready
-from swarm.rebalance import Steadiness, should_move
+from swarm.rebalance import peer_steadiness, should_move, stage_totals
 from swarm.records import (
     REFRESH_S,
-    TTL_S,
     PeerRecord,
     SwarmView,
     announce_peer,
@@ -117,9 +116,7 @@ class PeerDaemon:
         )
         self.server = self.worker = None
         self.measured = 0.0
-        # A record not refreshed for two periods is likely a dead peer's; the membership must hold
-        # still for a record's whole time to live, so that any peer that died before is gone from it.
-        self.steadiness = Steadiness(settle_s=TTL_S, max_age_s=2 * REFRESH_S)
+        self.steadiness = peer_steadiness()
 
     @property
     def name(self) -> str:
@@ -133,10 +130,12 @@ class PeerDaemon:
 
     def serve(self, stage: int) -> None:
         """Join `stage`: announce joining, measure, take the stage's current weights, serve, go online."""
-        self.announce(stage=stage, state="joining", address="", moving_to=None)
+        self.announce(stage=stage, state="joining", address="", moving_to=None, capacity=0.0)
         log.info(f"peer {self.name}: joining stage {stage} of run {self.run.run_id!r}")
-        # A stand-in for a slower device is slower from the start.
+        # A stand-in for a slower device is slower from the start. Announced at once: peers that join
+        # while this one downloads count it on its stage (swarm/rebalance.py `stage_totals`).
         self.measured = self.options.faults.slowed(cached_throughput(self.run, stage, self.device))
+        self.announce(capacity=self.measured)
         opts, checkpoints = self.options, None
         if opts.checkpoint_dir is not None:
             checkpoints = CheckpointWriter(opts.checkpoint_dir, self.run, stage, opts.checkpoint_every)
@@ -320,7 +319,7 @@ def run_peer(options: PeerOptions) -> int:
             time.sleep(random.uniform(0, SPREAD_WAIT_S))  # peers that start together spread out
             view = read_swarm(dht, run.run_id, run.stages.count)
             counts = [len(view.stages[k]) for k in range(run.stages.count)]
-            stage = pick_stage(view.stage_throughputs(), counts, fits)
+            stage = pick_stage(stage_totals(view), counts, fits)
         peer.serve(stage)
         period = run.rebalance.period_s
 

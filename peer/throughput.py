@@ -83,3 +83,14 @@ def cached_throughput(run: RunConfig, stage: int, device: torch.device) -> float
         measured = [stage]
     ref = min(measured)
     return float(cache[_key(device, run, ref)]) * stage_cost(run, ref) / stage_cost(run, stage)
+
+
+def capacity(compute: float, up_bps: float, down_bps: float, bytes_out: float, bytes_in: float) -> float:
+    """What a peer announces it can serve (rebalancing weighs peers by it), in samples/s: its device's
+    `compute` with the time its link takes for a sample's traffic (`bytes_out` up, `bytes_in` down:
+    activations forward, gradients backward) added, as one microbatch is received, computed and sent
+    back. A fast GPU on a home uplink is weighed by what it serves through that uplink, as Petals'
+    servers announce the lower of their compute and network throughput (`throughput.py`). Adding the
+    times (not the lower of the two rates) is what a peer serving one microbatch at a time achieves; with
+    microbatches in flight it overlaps them and does somewhat better, every peer alike."""
+    return 1 / (1 / compute + 8 * bytes_out / up_bps + 8 * bytes_in / down_bps)

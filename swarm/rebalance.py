@@ -22,11 +22,11 @@ moves with the load of the moment (after a failure, the survivors' queues).
 from __future__ import annotations
 
 import itertools
-import math
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from swarm.records import PeerRecord, SwarmView
+from swarm.records import REFRESH_S, TTL_S, PeerRecord, SwarmView
 
 MIN_LIFT = 0.01  # the least a planned move lifts the lowest stage by, as a fraction of its total (large swarms)
 
@@ -79,15 +79,21 @@ def _lift_lowest(throughputs: list[float], current: list[int], num_stages: int) 
 
 
 def move_for(throughputs: list[float], current: list[int], me: int, num_stages: int, margin: float = 0.1) -> int | None:
-    """Where peer `me` should go: its stage in the best assignment, when that assignment lifts the
-    lowest stage total above today's by more than `margin` and leaving does not empty its stage;
+    """Where peer `me` should go (`moves`); None: stay."""
+    return moves(throughputs, current, num_stages, margin)[me]
+
+
+def moves(throughputs: list[float], current: list[int], num_stages: int, margin: float = 0.1) -> list[int | None]:
+    """Where each peer should go: its stage in the best assignment, when that assignment lifts the
+    lowest stage total above today's by more than `margin` and its leaving does not empty its stage;
     else None (stay). A move that leaves the lowest stage where it is (it would only lift others)
-    is never worth its cost: the peer stops serving while it downloads the new stage's state."""
-    if throughputs[me] <= 0:
-        return None
+    is never worth its cost: the peer stops serving while it downloads the new stage's state. One
+    plan for all: every peer that reads the same view computes the same (and a caller that decides
+    for many peers at once computes it once)."""
+    stay: list[int | None] = [None] * len(current)
+    if not current:
+        return stay
     target = best_assignment(throughputs, current, num_stages)
-    if target[me] == current[me] or sum(1 for c in current if c == current[me]) <= 1:
-        return None
 
     def lowest(assign: list[int]) -> float:
         out = [0.0] * num_stages
@@ -96,7 +102,14 @@ def move_for(throughputs: list[float], current: list[int], me: int, num_stages: 
         return min(out)
 
     now, then = lowest(current), lowest(target)
-    return target[me] if then > now * (1 + margin) and then > 0 else None
+    if not (then > now * (1 + margin) and then > 0):
+        return stay
+    counts = [0] * num_stages
+    for k in current:
+        counts[k] += 1
+    return [
+        t if t != c and x > 0 and counts[c] > 1 else None for x, c, t in zip(throughputs, current, target, strict=True)
+    ]
 
 
 def placements(view: SwarmView) -> list[tuple[str, int, float]]:
@@ -120,45 +133,93 @@ def placements(view: SwarmView) -> list[tuple[str, int, float]]:
     return sorted(((pid, stage, x) for pid, (_, stage, x) in best.items()), key=lambda t: (t[1], t[0]))
 
 
+def stage_totals(view: SwarmView) -> list[float]:
+    """Each stage's summed capacity, counting the peers about to serve it (`placements`): where a joining
+    peer should go (swarm/placement.py `pick_stage`). Counted by the online peers alone, every peer that
+    joins while another downloads a stage picks the same stage (a join every 36 s and downloads of up
+    to 80 s, in a simulation of 100 peers with one-hour sessions)."""
+    totals = [0.0] * len(view.stages)
+    for _, stage, x in placements(view):
+        totals[stage] += x
+    return totals
+
+
 def capacity(p: PeerRecord) -> float:
     """What a move decision weighs a peer by: its measured capacity (older peers announce none: their
     throughput)."""
     return p.capacity if p.capacity > 0 else p.throughput
 
 
+# The share of a large swarm's records that may have changed within `settle_s`, or be stale, with the
+# swarm still steady enough to act on. In a public swarm peers come and go every few seconds: at 1,000
+# peers with one-hour sessions the membership never holds still for 12 s, and a steadiness that waits
+# for it lets nobody move, ever (benchmarks/simulate.py). Below 1 / CHURN_TOLERANCE peers nothing
+# may change: a 2 x 2 swarm that lost one peer waits for the dead peer's record to expire and the
+# membership to hold still, as it must.
+CHURN_TOLERANCE = 0.02
+
+
 @dataclass
 class Steadiness:
     """Whether the swarm's picture can be acted on: no record older than `max_age_s` (a peer that died
-    leaves a record that stops being refreshed), and the membership (who is on which stage, in which
-    state) unchanged for `settle_s` (a change, e.g. a record that expired, shows the swarm is still
-    moving). Fed every view a peer reads, with the DHT time it was read at; no clock of its own."""
+    leaves a record that stops being refreshed, while the others' are), and the membership (who is on
+    which stage, in which state) unchanged for `settle_s` (a change, e.g. a record that expired, shows
+    the swarm is still moving); in a large swarm, up to `tolerance` of its records may be stale or have changed (the
+    churn of the moment, not a swarm on the move). Fed every view a peer reads, with the DHT time it
+    was read at; no clock of its own."""
 
     settle_s: float
     max_age_s: float
-    members: frozenset = field(default_factory=frozenset)
-    since: float = -math.inf
+    tolerance: float = 0.0
+    members: dict[str, tuple] = field(default_factory=dict)
+    changes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, how many records changed)
 
     def observe(self, view: SwarmView, now: float) -> bool:
         """Take in `view`, read at `now` (DHT time); True when it is steady enough to act on."""
         records = [p for stage in view.stages for p in stage]
-        members = frozenset((p.peer_id, p.stage, p.state, p.moving_to) for p in records)
-        if members != self.members:
-            self.members, self.since = members, now
-        fresh = all(now - p.updated <= self.max_age_s for p in records)
-        return fresh and now - self.since >= self.settle_s
+        members = {p.peer_id: (p.stage, p.state, p.moving_to) for p in records}
+        changed = sum(1 for pid, m in members.items() if self.members.get(pid) != m)
+        changed += sum(1 for pid in self.members if pid not in members)
+        if changed:  # at first sight, every record is a change: nothing has held still yet
+            self.changes.append((now, changed))
+        self.members = members
+        while self.changes and now - self.changes[0][0] >= self.settle_s:
+            self.changes.popleft()
+        allowed = int(self.tolerance * len(records))
+        # Ages are taken from the newest record when the whole view is late (a DHT whose records
+        # arrive seconds after they were written): a dead peer's record is old beside the others,
+        # and a view late as a whole is not a swarm of dead peers (peers that read the DHT 12 s late
+        # never acted, and the peers a plan picked to move never moved).
+        newest = min(now, max((p.updated for p in records), default=now))
+        stale = sum(1 for p in records if newest - p.updated > self.max_age_s)
+        return stale <= allowed and sum(n for _, n in self.changes) <= allowed
+
+
+def peer_steadiness() -> Steadiness:
+    """The steadiness a peer checks before it moves: a record not refreshed for two periods is likely a
+    dead peer's; the membership must hold still for a record's whole time to live, so that any peer
+    that died before is gone from it."""
+    return Steadiness(settle_s=TTL_S, max_age_s=2 * REFRESH_S, tolerance=CHURN_TOLERANCE)
+
+
+def planned_moves(view: SwarmView, margin: float = 0.1) -> dict[str, int]:
+    """`moves` on what the DHT says: the peers that serve or are moving (`placements`), each with its
+    announced capacity; peer id -> the stage it should move to, for the online peers that should."""
+    peers = placements(view)
+    targets = moves([x for _, _, x in peers], [k for _, k, _ in peers], len(view.stages), margin)
+    return {pid: t for (pid, _, _), t in zip(peers, targets, strict=True) if t is not None}
 
 
 def should_move(
-    view: SwarmView, me: PeerRecord, margin: float = 0.1, allowed: Collection[int] | None = None
+    view: SwarmView,
+    me: PeerRecord,
+    margin: float = 0.1,
+    allowed: Collection[int] | None = None,
+    plan: dict[str, int] | None = None,
 ) -> int | None:
-    """`move_for` on what the DHT says: the peers that serve or are moving (`placements`), each
-    with its announced throughput. A target outside `allowed` (the stages this peer's device can
-    hold; None: all) is no move: the peer stays."""
+    """This peer's move in `planned_moves` (or in `plan`, that view's, when the caller made it). A target
+    outside `allowed` (the stages this peer's device can hold; None: all) is no move: the peer stays."""
     if not any(p.peer_id == me.peer_id and p.state == "online" for p in view.online(me.stage)):
         return None  # not online where we think we are: wait for the next refresh
-    peers = placements(view)
-    index = next((i for i, (pid, _, _) in enumerate(peers) if pid == me.peer_id), None)
-    if index is None or peers[index][1] != me.stage:
-        return None
-    target = move_for([x for _, _, x in peers], [k for _, k, _ in peers], index, len(view.stages), margin)
+    target = (planned_moves(view, margin) if plan is None else plan).get(me.peer_id)
     return target if target is None or allowed is None or target in allowed else None

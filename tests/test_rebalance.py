@@ -5,7 +5,16 @@ import random
 
 import pytest
 
-from swarm.rebalance import Steadiness, best_assignment, move_for, should_move
+from swarm import rebalance
+from swarm.rebalance import (
+    Steadiness,
+    best_assignment,
+    move_for,
+    peer_steadiness,
+    planned_moves,
+    should_move,
+    stage_totals,
+)
 from swarm.records import PeerRecord, SwarmView
 
 
@@ -125,6 +134,62 @@ def test_a_swarm_is_steady_once_its_membership_held_still_and_every_record_is_fr
     assert not steady.observe(view(alive, 132.5), 132.5)
     alive = [p.model_copy(update={"updated": 136.0}) for p in alive]
     assert steady.observe(view(alive, 136.5), 136.5)
+
+
+def swarm_of(n: int, stages: int, updated: float) -> list[PeerRecord]:
+    return [record(f"p{i:04d}", i % stages, 1.0, updated=updated) for i in range(n)]
+
+
+def view_of(records: list[PeerRecord], stages: int, now: float) -> SwarmView:
+    return SwarmView(stages=[[p for p in records if p.stage == k] for k in range(stages)], trainers=[], read_at=now)
+
+
+def test_a_large_swarm_is_steady_through_the_churn_of_the_moment_a_small_one_is_not():
+    for n, steady_with_churn in [(1000, True), (40, False)]:
+        steady = peer_steadiness()
+        peers = swarm_of(n, 8, updated=100.0)
+        assert not steady.observe(view_of(peers, 8, 100.0), 100.0)  # first sight
+        later = [p.model_copy(update={"updated": 112.0}) for p in peers]
+        assert steady.observe(view_of(later, 8, 112.5), 112.5)
+        # One peer left (its record expired), one joined: what churn does every few seconds.
+        churned = [*later[1:], record("new", 0, 0.0, state="joining", updated=116.0)]
+        churned = [p.model_copy(update={"updated": 116.0}) for p in churned]
+        assert steady.observe(view_of(churned, 8, 116.5), 116.5) is steady_with_churn, n
+        # A tenth of the swarm gone at once is no churn: nobody acts until it has held still.
+        gone = churned[n // 10 :]
+        assert not steady.observe(view_of(gone, 8, 120.5), 120.5)
+        assert not steady.observe(view_of(gone, 8, 128.5), 128.5)
+        assert steady.observe(view_of([p.model_copy(update={"updated": 132.0}) for p in gone], 8, 132.5), 132.5)
+
+
+def test_a_view_late_as_a_whole_is_steady_a_dead_peers_record_in_it_is_not():
+    steady = Steadiness(settle_s=12.0, max_age_s=8.0)
+    peers = swarm_of(4, 2, updated=100.0)
+    steady.observe(view_of(peers, 2, 100.0), 100.0)
+    # Read 12 s after they were written (a slow DHT): every record is as old as the others.
+    assert steady.observe(view_of(peers, 2, 112.0), 112.0)
+    late = [*[p.model_copy(update={"updated": 109.0}) for p in peers[:3]], peers[3]]  # "p0003" stopped
+    assert not steady.observe(view_of(late, 2, 121.0), 121.0)
+
+
+def test_the_plan_for_all_peers_is_each_peers_own_decision():
+    rng = random.Random(3)
+    for _ in range(50):
+        speeds = [rng.choice([0.05, 1.0, 2.2, 3.5, 5.0]) for _ in range(rng.randint(2, 7))]
+        assign = [rng.randrange(3) for _ in speeds]
+        assert rebalance.moves(speeds, assign, 3) == [move_for(speeds, assign, i, 3) for i in range(len(speeds))]
+    peers = [record("a", 0, 1.0), record("b", 0, 1.0), record("c", 0, 1.0), record("d", 1, 1.0)]
+    view = view_of(peers, 2, 0.0)
+    plan = planned_moves(view)
+    assert plan == {p.peer_id: t for p in peers if (t := should_move(view, p)) is not None} and len(plan) == 1
+
+
+def test_a_joiner_goes_where_the_peers_still_downloading_are_counted():
+    # Stage 1 has the least online, but a joiner of capacity 2 is already downloading it.
+    peers = [record("a", 0, 2.0), record("b", 1, 1.0), record("c", 1, 0.0, state="joining", capacity=2.0)]
+    view = view_of(peers, 2, 0.0)
+    assert view.stage_throughputs() == [2.0, 1.0]
+    assert stage_totals(view) == [2.0, 3.0]
 
 
 def test_should_move_reads_the_swarm_view():
