@@ -23,6 +23,7 @@ from coordinator.api_control import ErrorDetail, control_router, token_matches
 from coordinator.api_data import data_router
 from coordinator.api_history import history_router
 from coordinator.api_invites import invites_router
+from coordinator.api_speedtest import speedtest_router
 from coordinator.ca import RunCA
 from coordinator.control import OperatorControl
 from coordinator.history import History, point_of
@@ -293,6 +294,7 @@ def create_app(
     app.include_router(invites_router(invites, control))  # /api/v1/invites (coordinator.api_invites)
     if leases is not None:
         app.include_router(data_router(leases, admitted, refused))  # /api/v1/data (coordinator.api_data)
+    app.include_router(speedtest_router(admitted, refused))  # /api/v1/speedtest (coordinator.api_speedtest)
 
     # The live dashboard: static files shipped in the package, polling the API above.
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

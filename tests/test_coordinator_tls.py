@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import re
 import ssl
 from pathlib import Path
 
@@ -89,6 +90,7 @@ def test_a_peer_joins_a_coordinator_over_https_and_plain_http_gets_nothing(tmp_p
             verify=trusted,
         )
         assert "travels in clear" not in coordinator.output() + peer.output()  # TLS, and loopback anyway
+        assert re.search(r"link \d+ Mbit/s up, \d+ down", peer.output()), "the link test, over TLS with the token"
     finally:
         for proc in (peer, coordinator):
             if proc is not None:
