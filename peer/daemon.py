@@ -33,13 +33,14 @@ import sys
 import threading
 import time
 
+import httpx
 import torch
 from hivemind.utils import get_dht_time
 
 from peer.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, writable_dir
 from peer.options import PeerOptions
 from peer.service import start_server
-from peer.throughput import cached_throughput
+from peer.throughput import cached_throughput, capacity, link_speed, sample_bytes
 from peer.worker import StageWorker
 from swarm import memory
 from swarm.config import ConfigError, RunConfig
@@ -116,6 +117,7 @@ class PeerDaemon:
         )
         self.server = self.worker = None
         self.measured = 0.0
+        self.link: tuple[float, float] | None = None  # (uplink, downlink) bits/s, from the coordinator's link test
         self.steadiness = peer_steadiness()
 
     @property
@@ -135,6 +137,8 @@ class PeerDaemon:
         # A stand-in for a slower device is slower from the start. Announced at once: peers that join
         # while this one downloads count it on its stage (swarm/rebalance.py `stage_totals`).
         self.measured = self.options.faults.slowed(cached_throughput(self.run, stage, self.device))
+        if self.link is not None:
+            self.measured = capacity(self.measured, *self.link, *sample_bytes(self.run, stage))
         self.announce(capacity=self.measured)
         opts, checkpoints = self.options, None
         if opts.checkpoint_dir is not None:
@@ -314,6 +318,11 @@ def run_peer(options: PeerOptions) -> int:
         signal.signal(sig, lambda *_: stop.set())
     fits = memory.fitting_stages(run, dev.type, memory.peer_inflight(run, options.inflight), limit)
     peer = PeerDaemon(run, dht, dev, options, maddr_peer_ids(initial_peers), member, fits)
+    try:
+        peer.link = link_speed(options.coordinator, options.join_token)
+        log.info(f"peer {peer.name}: link {peer.link[0] / 1e6:.0f} Mbit/s up, {peer.link[1] / 1e6:.0f} down")
+    except httpx.HTTPError as err:  # a coordinator without the link test: the device's speed alone
+        log.warning(f"peer {peer.name}: no link test ({err}); capacity announced from the device alone")
     try:
         if stage is None:
             time.sleep(random.uniform(0, SPREAD_WAIT_S))  # peers that start together spread out

@@ -15,11 +15,14 @@ import os
 import time
 from pathlib import Path
 
+import httpx
 import torch
 
 from swarm.config import RunConfig
 from swarm.device import autocast, device_name
+from swarm.join import join_headers
 from swarm.model import Stage, lm_loss
+from swarm.wire import encoded_nbytes
 
 
 def cache_path() -> Path:
@@ -94,3 +97,31 @@ def capacity(compute: float, up_bps: float, down_bps: float, bytes_out: float, b
     times (not the lower of the two rates) is what a peer serving one microbatch at a time achieves; with
     microbatches in flight it overlaps them and does somewhat better, every peer alike."""
     return 1 / (1 / compute + 8 * bytes_out / up_bps + 8 * bytes_in / down_bps)
+
+
+def sample_bytes(run: RunConfig, stage: int) -> tuple[float, float]:
+    """(bytes sent, bytes received) per sample by a peer of `stage`: activations forward and gradients
+    backward, as the run's wire codec encodes them; the first stage receives token ids, the last sends
+    a loss."""
+    m, codec = run.model, run.wire.codec
+    hidden = encoded_nbytes(m.dtype, (m.seq_len, m.d_model), codec)
+    first, last = stage == 0, stage == run.stages.count - 1
+    sent = (0 if last else hidden) + (0 if first else hidden)
+    received = (m.seq_len * 8 if first else hidden) + (0 if last else hidden)
+    return float(sent), float(received)
+
+
+def link_speed(url: str, join_token: str | None, nbytes: int = 2 * 2**20, timeout: float = 30.0) -> tuple[float, float]:
+    """(uplink, downlink) in bits/s: an upload and a download of `nbytes` against the coordinator's
+    link test (coordinator/api_speedtest.py), each timed from the request to the last byte."""
+    headers = join_headers(join_token)
+    where = url.rstrip("/") + "/api/v1/speedtest"
+    with httpx.Client(timeout=timeout, headers=headers) as client:
+        client.get(where, params={"bytes": 1}).raise_for_status()  # connected and admitted before timing
+        start = time.perf_counter()
+        client.post(where, content=os.urandom(nbytes)).raise_for_status()
+        up = time.perf_counter() - start
+        start = time.perf_counter()
+        got = len(client.get(where, params={"bytes": nbytes}).raise_for_status().content)
+        down = time.perf_counter() - start
+    return 8 * nbytes / up, 8 * got / down
