@@ -23,7 +23,8 @@ START_TIMEOUT_S = 60.0
 class Proc:
     """`python -m swarm.cli ARGS` in its own process group, output to `log`. With `ready`, the
     command gets `--ready-file` (next to the log, `proc.ready_file`) for `swarm.ready.wait_ready`.
-    `env`: variables added to this process's environment."""
+    `env`: variables added to this process's environment; `prefix`: what runs the command (e.g.
+    `ip netns exec NS`, which keeps the process and its group)."""
 
     def __init__(
         self,
@@ -32,6 +33,7 @@ class Proc:
         ready: bool = False,
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
     ):
         self.args = args
         self.log_path = log
@@ -41,7 +43,7 @@ class Proc:
             args = [*args, "--ready-file", str(self.ready_file)]
         self._log = open(log, "w")  # noqa: SIM115 (closed in close())
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "swarm.cli", *args],
+            [*(prefix or []), sys.executable, "-m", "swarm.cli", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

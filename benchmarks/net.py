@@ -1,0 +1,180 @@
+"""An emulated internet on one machine, for tests and benchmarks that must cross a real network.
+
+Every node (a coordinator, a peer, a trainer) lives in a network namespace of its own, joined by a
+veth pair to a bridge in a core namespace: each node has its own address (10.213.0.N/16), its own
+loopback, and sees the others only across the bridge. Per node, what its link carries:
+`up_mbit` shapes what it sends (a tbf qdisc on its end of the veth), `down_mbit` what it receives
+(a tbf qdisc on the core's end). A `home` node is a volunteer behind a router: it dials out, and
+an nftables rule in its namespace drops every new connection coming in, as a NAT without port
+forwarding does. The kernel here has no netem, so links add no latency: a round trip across the
+bridge takes tens of microseconds.
+
+Needs root, iproute2 and nftables (`tests/install-tools.sh` installs the last two with apt);
+`unavailable()` says why when it cannot work here. Namespaces are named after this process
+(`swnet<pid>-<k>-<node>`), and `Internet.close()` (also on an exception, and at exit) deletes every one
+it made, with the veths and bridge in them; a run that was killed leaves namespaces whose pid is
+gone, and the next `Internet` deletes those first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+PREFIX = "swnet"
+SUBNET = "10.213"  # a private range, only ever inside the namespaces made here
+BRIDGE = "br0"
+_count = itertools.count()
+
+
+class NetError(RuntimeError):
+    """A namespace, link or rule that could not be made; the message has the command and its error."""
+
+
+def sh(*args: str, stdin: str | None = None) -> str:
+    done = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise NetError(f"{' '.join(args)}: {done.stderr.strip() or done.stdout.strip() or done.returncode}")
+    return done.stdout
+
+
+def unavailable() -> str | None:
+    """Why an emulated internet cannot be made on this machine (None: it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (run the tests as root, as CI does)"
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables")):
+        if shutil.which(tool) is None:
+            return f"{tool} is missing: install Debian's {package} (tests/install-tools.sh does)"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    try:
+        sh("ip", "netns", "add", probe)
+    except NetError as err:
+        return f"cannot create a network namespace here ({err})"
+    with contextlib.suppress(NetError):
+        sh("ip", "netns", "del", probe)
+    return None
+
+
+def namespaces() -> list[str]:
+    return [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
+
+
+def sweep() -> list[str]:
+    """Delete the namespaces of emulated internets whose process is gone (a run that was killed)."""
+    gone = []
+    for ns in namespaces():
+        m = re.fullmatch(rf"{PREFIX}(\d+)-\d+-.+", ns)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            with contextlib.suppress(NetError):
+                sh("ip", "netns", "del", ns)
+                gone.append(ns)
+    return gone
+
+
+@dataclass
+class Node:
+    name: str
+    ns: str
+    address: str
+    up_mbit: float | None = None
+    down_mbit: float | None = None
+    home: bool = False
+
+    def prefix(self) -> list[str]:
+        """What runs a command in this node: `[*node.prefix(), "python", ...]`."""
+        return ["ip", "netns", "exec", self.ns]
+
+    def run(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.prefix(), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def tbf(ns: str, dev: str, mbit: float) -> None:
+    """Shape what `dev` sends to `mbit`: a token bucket with room for a few of the 64 KB segments
+    that veth offloads pass in one piece (a smaller bucket drops them all)."""
+    burst = max(256 * 1024, int(mbit * 1e6 / 8 / 100))  # at least 10 ms of the rate
+    sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
+       "latency", "200ms")  # fmt: skip
+
+
+HOME_RULES = """
+table inet swarm_home {
+    chain input {
+        type filter hook input priority 0; policy accept;
+        iifname "eth0" ct state new drop
+    }
+}
+"""
+
+
+@dataclass
+class Internet:
+    """Nodes on one emulated internet; a context manager that removes what it made."""
+
+    nodes: dict[str, Node] = field(default_factory=dict)
+    tag: str = ""
+    core: str = ""
+    made: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        sweep()
+        self.tag = f"{PREFIX}{os.getpid()}-{next(_count)}"
+        self.core = f"{self.tag}-core"
+        self._make(self.core)
+        sh("ip", "-n", self.core, "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "-n", self.core, "link", "set", BRIDGE, "up")
+        atexit.register(self.close)
+
+    def _make(self, ns: str) -> None:
+        sh("ip", "netns", "add", ns)
+        self.made.append(ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def add(self, name: str, up_mbit: float | None = None, down_mbit: float | None = None, home: bool = False) -> Node:
+        """A node named `name` (letters, digits, dashes): its namespace, its link to the bridge, its
+        address, the bandwidth it sends (`up_mbit`) and receives (`down_mbit`) at (None: unshaped),
+        and, when `home`, no connection coming in."""
+        if not re.fullmatch(r"[a-z0-9-]{1,20}", name) or name in self.nodes or name == "core":
+            raise ValueError(f"node name {name!r}: 1 to 20 of a-z, 0-9, '-', not 'core', and not taken")
+        for what, mbit in (("up_mbit", up_mbit), ("down_mbit", down_mbit)):
+            if mbit is not None and not 0.1 <= mbit <= 100_000:
+                raise ValueError(f"{what} {mbit}: between 0.1 and 100000 Mbit/s, or None")
+        index = len(self.nodes) + 1
+        if index > 250:
+            raise ValueError("at most 250 nodes")
+        ns = f"{self.tag}-{name}"
+        self._make(ns)
+        wire = f"v{index}"
+        sh("ip", "-n", self.core, "link", "add", wire, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "-n", self.core, "link", "set", wire, "master", BRIDGE, "up")
+        address = f"{SUBNET}.0.{index}"
+        sh("ip", "-n", ns, "addr", "add", f"{address}/16", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        if up_mbit is not None:
+            tbf(ns, "eth0", up_mbit)
+        if down_mbit is not None:
+            tbf(self.core, wire, down_mbit)
+        if home:
+            sh("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=HOME_RULES)
+        node = Node(name, ns, address, up_mbit, down_mbit, home)
+        self.nodes[name] = node
+        return node
+
+    def close(self) -> None:
+        """Delete every namespace this internet made (their veths and the bridge go with them)."""
+        while self.made:
+            ns = self.made.pop()
+            with contextlib.suppress(NetError):
+                sh("ip", "netns", "del", ns)
+        self.nodes.clear()
+
+    def __enter__(self) -> Internet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,149 @@
+"""The emulated internet (benchmarks/net.py): namespaces, shaped links, home nodes that take no
+connection in, and a real swarm whose every process sits on a node of its own.
+
+These need root, iproute2 and nftables (tests/install-tools.sh installs them; CI runs as root) and
+skip, saying which is missing, where a network namespace cannot be made.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.net import PREFIX, Internet, namespaces, sh, unavailable
+from swarm.children import Proc, stop_all
+from swarm.ready import CoordinatorReady, wait_ready
+from tests.processes import ROOT
+from tests.test_swarm import TINY
+
+WHY = unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no emulated internet here: {WHY}")
+
+# One end listens and counts what arrives; it prints the Mbit/s from its first byte to its last.
+SINK = """
+import socket, sys, time
+s = socket.socket(); s.bind((sys.argv[1], 9000)); s.listen(); print("ready", flush=True)
+c, _ = s.accept(); n, first = 0, None
+while (d := c.recv(1 << 16)):
+    first = first or time.perf_counter(); n += len(d)
+print(n, n * 8 / (time.perf_counter() - first) / 1e6, flush=True)
+"""
+SEND = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], 9000), timeout=float(sys.argv[3]))
+c.sendall(b"x" * int(sys.argv[2])); c.close()
+"""
+
+
+def sink(node) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [*node.prefix(), sys.executable, "-c", SINK, node.address], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def send(node, to, nbytes: int, timeout: float = 10) -> subprocess.CompletedProcess:
+    return node.run(sys.executable, "-c", SEND, to.address, str(nbytes), str(timeout), timeout=60)
+
+
+def test_a_nodes_link_carries_what_it_was_given_each_way():
+    with Internet() as net:
+        home = net.add("home", up_mbit=20, down_mbit=80)
+        server = net.add("server")
+        received = sink(server)
+        assert send(home, server, 4_000_000).returncode == 0
+        nbytes, mbit = received.communicate(timeout=30)[0].split()
+        assert int(nbytes) == 4_000_000 and 14 < float(mbit) < 24, f"uplink {mbit} Mbit/s, shaped to 20"
+        received = sink(home)
+        assert send(server, home, 8_000_000).returncode == 0
+        mbit = float(received.communicate(timeout=30)[0].split()[1])
+        assert 56 < mbit < 96, f"downlink {mbit} Mbit/s, shaped to 80"
+
+
+def test_a_home_node_dials_out_and_takes_no_connection_in():
+    with Internet() as net:
+        home, server = net.add("home", home=True), net.add("server")
+        received = sink(server)
+        assert send(home, server, 1000).returncode == 0  # out: fine
+        assert received.communicate(timeout=30)[0].split()[0] == "1000"
+        waiting = sink(home)
+        refused = send(server, home, 1000, timeout=2)
+        assert refused.returncode != 0 and "timed out" in refused.stderr, refused.stderr
+        waiting.kill()
+
+
+def test_everything_made_is_removed_also_on_failure_and_after_a_killed_run():
+    with pytest.raises(RuntimeError), Internet() as net:
+        net.add("a"), net.add("b", up_mbit=10)
+        tag = net.tag
+        assert sum(ns.startswith(tag) for ns in namespaces()) == 3  # core, a, b
+        raise RuntimeError("a test failing half-way")
+    assert not [ns for ns in namespaces() if ns.startswith(tag)]
+    # A run killed before it could clean up: its pid is gone, its namespaces are not.
+    orphan = f"{PREFIX}99999999-0-core"  # above any pid_max: no process has that pid
+    sh("ip", "netns", "add", orphan)
+    with Internet():
+        assert orphan not in namespaces()
+
+
+def test_bad_nodes_are_refused_with_the_reason():
+    with Internet() as net:
+        net.add("a")
+        for name, options, words in [
+            ("a", {}, "not taken"),
+            ("Bad_Name", {}, "a-z"),
+            ("core", {}, "not 'core'"),
+            ("b", {"up_mbit": 0}, "up_mbit 0"),
+            ("c", {"down_mbit": 1e9}, "down_mbit"),
+        ]:
+            with pytest.raises(ValueError, match=words):
+                net.add(name, **options)
+
+
+def test_a_swarm_trains_with_every_process_on_a_node_of_its_own(tmp_path: Path):
+    with Internet() as net:
+        nodes = {name: net.add(name, up_mbit=200, down_mbit=200) for name in ("coordinator", "p0", "p1", "trainer")}
+        procs: list[Proc] = []
+        try:
+            coordinator = Proc(
+                ["coordinator", "--config", str(TINY), "--host", nodes["coordinator"].address, "--port", "8000"]
+                + ["--dht-port", "0", "--state-dir", str(tmp_path / "state")],
+                tmp_path / "coordinator.log",
+                ready=True,
+                cwd=ROOT,
+                prefix=nodes["coordinator"].prefix(),
+            )
+            procs.append(coordinator)
+            url = wait_ready(coordinator, CoordinatorReady, timeout=60).url
+            assert url == f"http://{nodes['coordinator'].address}:8000"
+            for stage, name in enumerate(("p0", "p1")):
+                procs.append(
+                    Proc(
+                        ["peer", "--coordinator", url, "--stage", str(stage), "--host", nodes[name].address]
+                        + ["--no-rebalance", "--threads", "1", "--public-name", name],
+                        tmp_path / f"{name}.log",
+                        cwd=ROOT,
+                        prefix=nodes[name].prefix(),
+                        env={"SWARM_CHECKPOINT_DIR": str(tmp_path / name)},
+                    )
+                )
+            log = tmp_path / "train.jsonl"
+            trainer = Proc(
+                ["train", "--coordinator", url, "--steps", "4", "--log-json", str(log), "--call-timeout", "20"],
+                tmp_path / "trainer.log",
+                cwd=ROOT,
+                prefix=nodes["trainer"].prefix(),
+            )
+            procs.append(trainer)
+            assert trainer.popen.wait(300) == 0, trainer.output()[-3000:]
+            steps = [json.loads(line) for line in log.read_text().splitlines()]
+            assert [s["step"] for s in steps] == list(range(4)), steps
+            for name in ("p0", "p1"):
+                assert nodes[name].address in Path(tmp_path / f"{name}.log").read_text()
+        finally:
+            stop_all(procs)
