@@ -21,10 +21,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 PREFIX = "swnet"
@@ -92,6 +94,16 @@ class Node:
 
     def run(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run([*self.prefix(), *args], capture_output=True, text=True, timeout=timeout)
+
+    def get_json(self, url: str, timeout: float = 30) -> object:
+        """GET `url` from this node (the machine's own namespace has no way into the emulated internet)."""
+        done = self.run(sys.executable, "-c", GET_JSON, url, timeout=timeout)
+        if done.returncode != 0:
+            raise NetError(f"GET {url} from {self.name}: {done.stderr.strip()[-500:]}")
+        return json.loads(done.stdout)
+
+
+GET_JSON = "import sys, httpx; r = httpx.get(sys.argv[1], timeout=10); r.raise_for_status(); print(r.text)"
 
 
 def tbf(ns: str, dev: str, mbit: float) -> None:

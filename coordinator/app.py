@@ -23,6 +23,7 @@ from coordinator.api_control import ErrorDetail, control_router, token_matches
 from coordinator.api_data import data_router
 from coordinator.api_history import history_router
 from coordinator.api_invites import invites_router
+from coordinator.api_reachability import reachability_router
 from coordinator.api_speedtest import speedtest_router
 from coordinator.ca import RunCA
 from coordinator.control import OperatorControl
@@ -295,6 +296,7 @@ def create_app(
     if leases is not None:
         app.include_router(data_router(leases, admitted, refused))  # /api/v1/data (coordinator.api_data)
     app.include_router(speedtest_router(admitted, refused))  # /api/v1/speedtest (coordinator.api_speedtest)
+    app.include_router(reachability_router(admitted, refused))  # /api/v1/reachability (coordinator.api_reachability)
 
     # The live dashboard: static files shipped in the package, polling the API above.
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

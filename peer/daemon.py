@@ -27,6 +27,7 @@ import gc
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -46,7 +47,7 @@ from swarm import memory
 from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.identity import Member
-from swarm.join import join_dht
+from swarm.join import dial_back, join_dht
 from swarm.placement import pick_stage
 from swarm.ready import PeerReady, write_ready
 from swarm.rebalance import peer_steadiness, should_move, stage_totals
@@ -168,6 +169,29 @@ class PeerDaemon:
                 run_id=self.run.run_id, stage=stage, address=r.address, peer_id=r.peer_id, public_name=r.public_name
             )
             write_ready(self.options.ready_file, ready)
+
+    def check_reach(self) -> None:
+        """Ask the coordinator to dial this peer back (coordinator/api_reachability.py); announce what it
+        found, and when nobody can reach this peer, say what to change."""
+        r = self.record
+        try:
+            found = dial_back(self.options.coordinator, self.options.join_token, r.address, r.dht_addrs)
+        except ConfigError as err:
+            log.warning(f"peer {self.name}: reachability not checked: {err}")
+            return
+        self.announce(reach=found["reach"])
+        if found["reach"] == "direct":
+            log.info(f"peer {self.name}: reachable: the coordinator dialled {r.address} back")
+            return
+        failed = [d for d in [found["stage"], *found["dht"]] if d["reach"] != "direct"]
+        dht_port = next((m.group(1) for a in r.dht_addrs if (m := re.search(r"/tcp/(\d+)", a))), "PORT")
+        log.warning(
+            f"peer {self.name}: UNREACHABLE: the coordinator, dialling from outside, could not connect to "
+            + ", ".join(f"{d['target']} ({d['error']})" for d in failed)
+            + ". Trainers will not send this peer work. Behind a home router: forward TCP ports "
+            f"{self.port} (stage) and {dht_port} (DHT) to this machine and start it with --port {self.port} "
+            f"--dht-port {dht_port} --announce-host YOUR_PUBLIC_IP; or open those ports in this machine's firewall."
+        )
 
     def take_state(self, stage: int) -> str:
         """Load the stage's newest state into the worker: this peer's checkpoint when it is newer than
@@ -330,6 +354,7 @@ def run_peer(options: PeerOptions) -> int:
             counts = [len(view.stages[k]) for k in range(run.stages.count)]
             stage = pick_stage(stage_totals(view), counts, fits)
         peer.serve(stage)
+        peer.check_reach()
         period = run.rebalance.period_s
 
         def next_check() -> float:

@@ -214,3 +214,18 @@ def join_dht(
             return run, initial_peers, dht, member
         log.warning(f"{problem}; trying again in 1 s")
         time.sleep(1)
+
+
+def dial_back(url: str, join_token: str | None, address: str, dht_addrs: list[str], timeout: float = 30.0) -> dict:
+    """Ask the coordinator to dial this peer back at its stage `address` and DHT multiaddrs
+    (coordinator/api_reachability.py); its answer (`reach`: direct or unreachable, and each dial)."""
+    try:
+        response = httpx.post(
+            url.rstrip("/") + "/api/v1/reachability",
+            json={"address": address, "dht_addrs": dht_addrs},
+            headers=join_headers(join_token),
+            timeout=timeout,
+        )
+    except httpx.HTTPError as err:
+        raise ConfigError(f"--coordinator: cannot reach {url}: {err}") from None
+    return answer(url, response, join_token)

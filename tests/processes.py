@@ -64,11 +64,15 @@ def wait_for_output(proc: Proc, pattern: str, timeout: float = 60) -> re.Match:
     raise TimeoutError(f"no line matching {pattern!r} within {timeout} s:\n{proc.output()[-3000:]}")
 
 
-def wait_for_state(base: str, ok: Callable[[dict], bool], timeout: float = 10.0, verify=True) -> dict:
-    """The coordinator's /api/v1/state once `ok` says so (`verify`: as httpx takes it, for HTTPS)."""
+def wait_for_state(
+    base: str, ok: Callable[[dict], bool], timeout: float = 10.0, verify=True, get: Callable[[str], dict] | None = None
+) -> dict:
+    """The coordinator's /api/v1/state once `ok` says so (`verify`: as httpx takes it, for HTTPS; `get`:
+    how to read a URL's JSON from elsewhere, e.g. a node of an emulated internet, `Node.get_json`)."""
     deadline = time.monotonic() + timeout
     while True:
-        state = httpx.get(f"{base}/api/v1/state", timeout=5, verify=verify).json()
+        where = f"{base}/api/v1/state"
+        state = get(where) if get is not None else httpx.get(where, timeout=5, verify=verify).json()
         if ok(state):
             return state
         if time.monotonic() > deadline:

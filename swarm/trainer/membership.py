@@ -86,7 +86,11 @@ class Membership:
             self._control = control
             self._swarm_step = swarm_step(view)
             for k in range(self.num_stages):
-                online = [p for p in view.online(k) if p.peer_id not in removed and p.peer_id not in self.spot.banned]
+                online = [
+                    p
+                    for p in view.online(k)
+                    if p.peer_id not in removed and p.peer_id not in self.spot.banned and p.reach != "unreachable"
+                ]  # a peer the coordinator could not dial back is no one's to call (coordinator/api_reachability.py)
                 self._routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
                 self._addresses[k] = {p.peer_id: p.address for p in online}
 
