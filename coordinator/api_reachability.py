@@ -51,6 +51,7 @@ class ReachabilityResponse(BaseModel):
     stage: Dial
     dht: list[Dial] = Field(description="one per multiaddr on the address the request came from")
     reach: Reach = Field(description="direct: the stage service and a DHT address (if any) answered")
+    relay: str | None = Field(None, description="HOST:PORT of a relay an unreachable peer may serve through")
 
 
 def dial(host: str, port: int) -> Dial:
@@ -76,7 +77,7 @@ def same_host(a: str, b: str) -> bool:
     return x == y or (x.is_loopback and y.is_loopback)
 
 
-def reachability_router(admitted: Callable, refused: dict) -> APIRouter:
+def reachability_router(admitted: Callable, refused: dict, relay: str | None = None) -> APIRouter:
     router = APIRouter(dependencies=[Depends(admitted)])
 
     @router.post(
@@ -107,6 +108,7 @@ def reachability_router(admitted: Callable, refused: dict) -> APIRouter:
             dials = list(pool.map(lambda t: dial(*t), targets))
         stage, dht = dials[0], dials[1:]
         direct = stage.reach == "direct" and (not dht or any(d.reach == "direct" for d in dht))
-        return ReachabilityResponse(seen_from=seen, stage=stage, dht=dht, reach="direct" if direct else "unreachable")
+        reach = "direct" if direct else "unreachable"
+        return ReachabilityResponse(seen_from=seen, stage=stage, dht=dht, reach=reach, relay=relay)
 
     return router

@@ -50,6 +50,7 @@ class JoinInfo(BaseModel):
     """What the coordinator knows about itself at start-up."""
 
     initial_peers: list[str]
+    relay: str | None = None  # HOST:PORT of this coordinator's relay (swarm/relay.py); None: it runs none
 
 
 class CertificateRequest(BaseModel):
@@ -79,6 +80,7 @@ class JoinResponse(BaseModel):
         description="sha256 of the run's tokenizer.json, served at /api/v1/tokenizer; "
         "None: the byte tokenizer, nothing to download",
     )
+    relay: str | None = Field(None, description="HOST:PORT of the coordinator's relay for unreachable peers")
 
 
 class StageState(BaseModel):
@@ -212,6 +214,7 @@ def create_app(
             initial_peers=join_info.initial_peers,
             version=__version__,
             tokenizer_sha256=served.digest if served is not None else None,
+            relay=join_info.relay,
         )
 
     @app.get(
@@ -296,7 +299,9 @@ def create_app(
     if leases is not None:
         app.include_router(data_router(leases, admitted, refused))  # /api/v1/data (coordinator.api_data)
     app.include_router(speedtest_router(admitted, refused))  # /api/v1/speedtest (coordinator.api_speedtest)
-    app.include_router(reachability_router(admitted, refused))  # /api/v1/reachability (coordinator.api_reachability)
+    app.include_router(
+        reachability_router(admitted, refused, join_info.relay)
+    )  # /api/v1/reachability (coordinator.api_reachability)
 
     # The live dashboard: static files shipped in the package, polling the API above.
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

@@ -39,9 +39,10 @@ from coordinator.view import SwarmReader, ViewHolder, empty_view
 from swarm.config import ConfigError, RunConfig
 from swarm.data import shards
 from swarm.identity import Member
-from swarm.net import cleartext_warning
+from swarm.net import announce_address, cleartext_warning
 from swarm.ready import CoordinatorReady, write_ready
 from swarm.records import identity_key, make_dht, read_removed, shutdown_dht, visible_maddrs
+from swarm.relay import RelayHub, start_relay
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ def serve_coordinator(
     invite_only: bool = False,
     cert_ttl: datetime.timedelta = CERT_TTL,
     lease_ttl_s: float = DEFAULT_TTL_S,
+    relay_port: int = 0,
+    relay_capacity: int = 32,
 ) -> int:
     """`announce_host`: the address peers on other machines reach this one at, handed out in
     /api/v1/join instead of the listening interfaces' addresses. `join_token`: a token peers and
@@ -136,7 +139,9 @@ def serve_coordinator(
     serves, at which URL and DHT addresses (swarm/ready.py). `tls`: (certificate, key) files to serve
     HTTPS with (uvicorn's); None: plain HTTP. `cert_ttl`: how long member certificates are valid
     (members renew them halfway). `lease_ttl_s`: a trainer's lease of a shard not renewed for this
-    long expires, and the shard goes to the next trainer that asks."""
+    long expires, and the shard goes to the next trainer that asks. `relay_port`, `relay_capacity`:
+    the relay for peers nobody can dial (swarm/relay.py), on that port (0: any free one), carrying at
+    most that many peers (0: no relay)."""
     # Signals first arrive here; until the server is up, a signal just ends the start-up early.
     stop = threading.Event()
 
@@ -159,8 +164,13 @@ def serve_coordinator(
     reader: SwarmReader | None = None
     server: uvicorn.Server | None = None
     server_thread: threading.Thread | None = None
+    relay_server, relay = None, None
     code = 0
     try:
+        if relay_capacity > 0:
+            hub = RelayHub(host, announce_host, relay_capacity, invites.admit if invites.guarded else None)
+            relay_server, bound_relay = start_relay(hub, relay_port)
+            relay = announce_address(host, bound_relay, announce_host)
         maddrs = visible_maddrs(dht)
         holder = ViewHolder(empty_view(run.stages.count))
         holder.listen(recorder)  # events and progress points into the history
@@ -168,7 +178,9 @@ def serve_coordinator(
         reader.start()
         publisher.start()
 
-        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, ca=ca, leases=leases)
+        app = create_app(
+            run, holder, JoinInfo(initial_peers=maddrs, relay=relay), control, history, ca=ca, leases=leases
+        )
         cert, key = tls if tls else (None, None)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
         server = uvicorn.Server(config)
@@ -221,6 +233,8 @@ def serve_coordinator(
                 server_thread.join(1.0)
         if reader is not None:
             reader.stop(timeout=2.0)
+        if relay_server is not None:
+            relay_server.stop(grace=1.0)
         history.close()
         publisher.stop(timeout=2.0)
         member.stop()

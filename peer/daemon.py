@@ -29,7 +29,6 @@ import os
 import random
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.identity import Member
 from swarm.join import dial_back, join_dht
+from swarm.net import announce_address
 from swarm.placement import pick_stage
 from swarm.ready import PeerReady, write_ready
 from swarm.rebalance import peer_steadiness, should_move, stage_totals
@@ -63,6 +63,7 @@ from swarm.records import (
     shutdown_dht,
     visible_maddrs,
 )
+from swarm.relay import RelayLink
 from swarm.steps import majority_step, others_step
 
 log = logging.getLogger(__name__)
@@ -73,16 +74,6 @@ EXIT_DEADLINE_S = 20.0
 # Peers that start together wait a random time up to this before they pick a stage, so that each
 # sees the ones before it and they spread out.
 SPREAD_WAIT_S = 2.0
-
-
-def announce_address(host: str, port: int, announce_host: str | None = None) -> str:
-    """HOST:PORT as others should dial it: `announce_host` when given, else the listening address
-    (for 0.0.0.0, this machine's address as its own name resolves)."""
-    if announce_host:
-        host = announce_host
-    elif host in ("0.0.0.0", "::", ""):
-        host = socket.gethostbyname(socket.gethostname())
-    return f"{host}:{port}"
 
 
 class PeerDaemon:
@@ -119,6 +110,7 @@ class PeerDaemon:
         self.server = self.worker = None
         self.measured = 0.0
         self.link: tuple[float, float] | None = None  # (uplink, downlink) bits/s, from the coordinator's link test
+        self.relay: RelayLink | None = None  # when nobody can dial this peer: its stream to a relay
         self.steadiness = peer_steadiness()
 
     @property
@@ -150,7 +142,7 @@ class PeerDaemon:
         # The port stays the same across moves, so the address the trainers know stays right.
         self.server, _, self.port = start_server(self.worker, opts.host, self.port, member=self.member)
         self.announce(
-            address=announce_address(opts.host, self.port, opts.announce_host),
+            address=self.relay.address if self.relay and self.relay.address else self.direct_address(),
             device=self.worker.device_name,
             throughput=self.measured,
             capacity=self.measured,
@@ -170,6 +162,9 @@ class PeerDaemon:
             )
             write_ready(self.options.ready_file, ready)
 
+    def direct_address(self) -> str:
+        return announce_address(self.options.host, self.port, self.options.announce_host)
+
     def check_reach(self) -> None:
         """Ask the coordinator to dial this peer back (coordinator/api_reachability.py); announce what it
         found, and when nobody can reach this peer, say what to change."""
@@ -183,6 +178,9 @@ class PeerDaemon:
         if found["reach"] == "direct":
             log.info(f"peer {self.name}: reachable: the coordinator dialled {r.address} back")
             return
+        if found.get("relay"):
+            self.serve_through(found["relay"])
+            return
         failed = [d for d in [found["stage"], *found["dht"]] if d["reach"] != "direct"]
         dht_port = next((m.group(1) for a in r.dht_addrs if (m := re.search(r"/tcp/(\d+)", a))), "PORT")
         log.warning(
@@ -192,6 +190,17 @@ class PeerDaemon:
             f"{self.port} (stage) and {dht_port} (DHT) to this machine and start it with --port {self.port} "
             f"--dht-port {dht_port} --announce-host YOUR_PUBLIC_IP; or open those ports in this machine's firewall."
         )
+
+    def serve_through(self, relay: str) -> None:
+        """Nobody can dial this peer: keep a stream open to `relay`, and announce the address it gives."""
+        host = self.options.host if self.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+
+        def relayed(address: str) -> None:
+            log.info(f"peer {self.name}: relayed: trainers reach it through {relay} at {address}")
+            self.announce(address=address, reach="relayed")
+
+        log.info(f"peer {self.name}: not reachable from outside; serving through the coordinator's relay {relay}")
+        self.relay = RelayLink(lambda: [relay], (host, self.port), relayed, self.options.join_token).start()
 
     def take_state(self, stage: int) -> str:
         """Load the stage's newest state into the worker: this peer's checkpoint when it is newer than

@@ -293,6 +293,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         invite_only=args.invite_only,
         cert_ttl=datetime.timedelta(hours=args.certificate_hours),
         lease_ttl_s=args.lease_ttl,
+        relay_port=args.relay_port,
+        relay_capacity=args.relay_capacity,
     )
 
 
@@ -688,6 +690,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the address peers on other machines reach the DHT at (a public IP or name), when not --host",
     )
     coord.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
+    coord.add_argument(
+        "--relay-port", type=port_number, default=0, help="the relay's gRPC port (default: any free port)"
+    )
+    coord.add_argument(
+        "--relay-capacity",
+        type=non_negative_int,
+        default=32,
+        help="peers nobody can dial that the coordinator relays at most (default 32; 0: no relay). Each gets a "
+        "port of its own on --host",
+    )
     coord.add_argument(
         "--dht-port", type=port_number, default=0, help="DHT port (default: any free port; fix it to restart in place)"
     )

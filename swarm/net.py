@@ -34,3 +34,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def announce_address(host: str, port: int, announce_host: str | None = None) -> str:
+    """HOST:PORT as others should dial it: `announce_host` when given, else the listening address
+    (for 0.0.0.0, this machine's address as its own name resolves)."""
+    if announce_host:
+        host = announce_host
+    elif host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"

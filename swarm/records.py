@@ -80,7 +80,7 @@ NORM_TTL_S = 120.0  # the stages read a step's norm shares within averaging.sync
 MAX_STEP = 2**31 - 1  # no honest step count comes near this (a trainer step per second: 68 years)
 
 PeerState = Literal["joining", "online", "leaving"]
-Reach = Literal["unknown", "direct", "unreachable"]
+Reach = Literal["unknown", "direct", "unreachable", "relayed"]
 
 
 class PeerRecord(BaseModel):
@@ -103,7 +103,7 @@ class PeerRecord(BaseModel):
     weights_from: str = ""  # where the stage's state came from: live peers, the seeded init, a checkpoint
     moving_to: int | None = Field(None, ge=0)  # set while leaving this stage for another one
     dht_addrs: list[str] = Field(default_factory=list)  # its DHT node's multiaddrs: a restarted coordinator's way in
-    reach: Reach = "unknown"  # whether the coordinator could dial it back (coordinator/api_reachability.py)
+    reach: Reach = "unknown"  # whether the coordinator could dial it back, or it serves through a relay
 
 
 class TrainerRecord(BaseModel):

@@ -62,55 +62,86 @@ def test_the_coordinator_knocks_on_no_other_machine_and_answers_no_outsider(coor
     assert httpx.get(f"{coordinator}/healthz").json() == {"ok": True}
 
 
-@pytest.mark.skipif(unavailable() is not None, reason=f"no emulated internet here: {unavailable()}")
-def test_a_peer_behind_a_home_router_is_told_it_is_unreachable_and_the_run_goes_on_without_it(tmp_path: Path):
+NO_NET = unavailable()
+needs_net = pytest.mark.skipif(NO_NET is not None, reason=f"no emulated internet here: {NO_NET}")
+
+
+class Emulated:
+    """A coordinator, peers and a trainer, each on a node of its own of an emulated internet."""
+
+    def __init__(self, net: Internet, tmp: Path, homes: set[str], names: tuple[str, ...]):
+        self.tmp, self.procs = tmp, []
+        self.nodes = {name: net.add(name, home=name in homes) for name in ("coordinator", "trainer", *names)}
+
+    def start(self, name: str, args: list[str], **options) -> Proc:
+        proc = Proc(args, self.tmp / f"{name}.log", cwd=ROOT, prefix=self.nodes[name].prefix(), **options)
+        self.procs.append(proc)
+        return proc
+
+    def coordinator(self, *extra: str) -> str:
+        host = self.nodes["coordinator"].address
+        args = ["coordinator", "--config", str(TINY), "--host", host, "--port", "8000", "--dht-port", "0"]
+        proc = self.start("coordinator", [*args, "--state-dir", str(self.tmp / "state"), *extra], ready=True)
+        self.url = wait_ready(proc, CoordinatorReady, timeout=60).url
+        return self.url
+
+    def peer(self, name: str, stage: int) -> Proc:
+        args = ["peer", "--coordinator", self.url, "--stage", str(stage), "--host", self.nodes[name].address]
+        args += ["--no-rebalance", "--threads", "1", "--public-name", name]
+        return self.start(name, args, env={"SWARM_CHECKPOINT_DIR": str(self.tmp / name)})
+
+    def state(self, ok, timeout: float) -> dict:
+        return wait_for_state(self.url, ok, timeout, get=self.nodes["trainer"].get_json)
+
+    def train(self, steps: int) -> list[dict]:
+        log = self.tmp / "train.jsonl"
+        trainer = self.start(
+            "trainer", ["train", "--coordinator", self.url, "--steps", str(steps), "--log-json", str(log)]
+        )
+        assert trainer.popen.wait(300) == 0, trainer.output()[-3000:]
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def by_name(state: dict, field: str) -> dict:
+    return {p["public_name"]: p[field] for s in state["stages"] for p in s["peers"]}
+
+
+@needs_net
+def test_a_peer_behind_a_home_router_serves_through_the_coordinators_relay(tmp_path: Path):
     with Internet() as net:
-        nodes = {"coordinator": net.add("coordinator"), "trainer": net.add("trainer", home=True)}
-        nodes |= {name: net.add(name, home=name == "home") for name in ("p0", "p1", "home")}
-        procs: list[Proc] = []
-
-        def start(name: str, args: list[str], **options) -> Proc:
-            proc = Proc(args, tmp_path / f"{name}.log", cwd=ROOT, prefix=nodes[name].prefix(), **options)
-            procs.append(proc)
-            return proc
-
+        swarm = Emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "home"))
         try:
-            host = nodes["coordinator"].address
-            coordinator = start(
-                "coordinator",
-                ["coordinator", "--config", str(TINY), "--host", host, "--port", "8000", "--dht-port", "0"]
-                + ["--state-dir", str(tmp_path / "state")],
-                ready=True,
-            )
-            url = wait_ready(coordinator, CoordinatorReady, timeout=60).url
+            swarm.coordinator()
+            swarm.peer("p0", 0)
+            swarm.peer("home", 1)  # stage 1's only peer: every step goes through the relay
+            known = lambda s: len(by_name(s, "reach")) == 2 and "unknown" not in by_name(s, "reach").values()  # noqa: E731
+            state = swarm.state(known, 120)
+            assert by_name(state, "reach") == {"p0": "direct", "home": "relayed"}, by_name(state, "reach")
+            relayed = by_name(state, "address")["home"]
+            assert relayed.startswith(swarm.nodes["coordinator"].address + ":"), relayed
+            steps = swarm.train(3)  # a trainer behind a home router too: everyone dials out
+            assert [s["step"] for s in steps] == [0, 1, 2]
+            state = swarm.state(lambda s: by_name(s, "samples_served")["home"] > 0, 30)
+        finally:
+            stop_all(swarm.procs)
+
+
+@needs_net
+def test_without_a_relay_a_peer_behind_a_home_router_is_told_what_to_forward_and_gets_no_work(tmp_path: Path):
+    with Internet() as net:
+        swarm = Emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home"))
+        try:
+            swarm.coordinator("--relay-capacity", "0")
             for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
-                start(
-                    name,
-                    ["peer", "--coordinator", url, "--stage", str(stage), "--host", nodes[name].address]
-                    + ["--no-rebalance", "--threads", "1", "--public-name", name],
-                    env={"SWARM_CHECKPOINT_DIR": str(tmp_path / name)},
-                )
-
-            def reach(state: dict) -> dict[str, str]:
-                return {p["public_name"]: p["reach"] for s in state["stages"] for p in s["peers"]}
-
-            get = nodes["trainer"].get_json
-            known = lambda s: len(reach(s)) == 3 and "unknown" not in reach(s).values()  # noqa: E731
-            state = wait_for_state(url, known, 120, get=get)
-            assert reach(state) == {"p0": "direct", "p1": "direct", "home": "unreachable"}, reach(state)
+                swarm.peer(name, stage)
+            known = lambda s: len(by_name(s, "reach")) == 3 and "unknown" not in by_name(s, "reach").values()  # noqa: E731
+            state = swarm.state(known, 120)
+            assert by_name(state, "reach") == {"p0": "direct", "p1": "direct", "home": "unreachable"}
             said = (tmp_path / "home.log").read_text()
             assert "UNREACHABLE" in said and re.search(r"forward TCP ports \d+ \(stage\) and \d+ \(DHT\)", said), said
-            # A trainer behind a home router too: it dials out, so it trains; never through the home peer.
-            log = tmp_path / "train.jsonl"
-            trainer = start("trainer", ["train", "--coordinator", url, "--steps", "3", "--log-json", str(log)])
-            assert trainer.popen.wait(300) == 0, trainer.output()[-3000:]
-            assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2]
-            assert json.loads(log.read_text().splitlines()[-1])["failures"] == 0  # nobody called the home peer
-
-            def served(state: dict) -> dict[str, int]:
-                return {p["public_name"]: p["samples_served"] for s in state["stages"] for p in s["peers"]}
-
-            state = wait_for_state(url, lambda s: served(s)["p1"] > 0, 30, get=get)
-            assert served(state)["home"] == 0, served(state)
+            steps = swarm.train(3)
+            assert [s["step"] for s in steps] == [0, 1, 2] and steps[-1]["failures"] == 0  # nobody called it
+            state = swarm.state(lambda s: by_name(s, "samples_served")["p1"] > 0, 30)
+            assert by_name(state, "samples_served")["home"] == 0
         finally:
-            stop_all(procs)
+            stop_all(swarm.procs)
