@@ -359,7 +359,7 @@ class PartnerWatch:
     ALONE_PERIOD_S = 0.05  # with nobody to average with, any round is cancelled about this fast
 
     def __init__(self, opt: hivemind.Optimizer, partners: set[bytes]):
-        self.opt, self.partners = opt, list(partners)
+        self.opt, self.partners = opt, partners
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="partner-watch", daemon=True)
 
@@ -375,7 +375,7 @@ class PartnerWatch:
         alone = not self.partners
         while not self.stop.wait(self.ALONE_PERIOD_S if alone else self.WATCH_PERIOD_S):
             if not alone:
-                alone = not answering(self.opt.dht, self.partners, timeout=PING_TIMEOUT_S)
+                alone = not live_partners(self.opt)
                 if alone:
                     log.warning("the replicas this step averages with stopped answering: it goes on alone")
             control = self.opt.scheduled_grads
@@ -386,20 +386,30 @@ class PartnerWatch:
                     control.cancel()
 
 
-def tracked_partners(opt: hivemind.Optimizer) -> list[bytes]:
-    """The other replicas of the stage that hivemind's tracker lists (peer ids): those an all-reduce
-    would look for, the dead among them until their progress records expire."""
+def tracked_partners(opt: hivemind.Optimizer) -> dict[bytes, dict]:
+    """The other replicas of the stage that hivemind's tracker lists (peer id -> its last progress
+    report): those an all-reduce would look for, the dead among them until their reports expire."""
     found = opt.dht.get(opt.tracker.training_progress_key, latest=True)
     if found is None or not isinstance(found.value, dict):
-        return []
-    me, partners = opt.dht.peer_id.to_bytes(), []
+        return {}
+    me, partners = opt.dht.peer_id.to_bytes(), {}
     for item in found.value.values():
         report = getattr(item, "value", None)
-        if isinstance(report, dict) and not report.get("client_mode"):
-            peer = report.get("peer_id")
-            if isinstance(peer, bytes) and peer != me:
-                partners.append(peer)
+        if isinstance(report, dict) and isinstance(peer := report.get("peer_id"), bytes) and peer != me:
+            partners[peer] = report
     return partners
+
+
+def live_partners(opt: hivemind.Optimizer) -> set[bytes]:
+    """The replicas this one can average with now: those that answer a ping, and those behind a
+    router (client mode: nobody can ping them, they dial the group's leader) while their progress
+    report is fresh; these only when some replica can lead a group (one not in client mode)."""
+    reports = tracked_partners(opt)
+    alive = answering(opt.dht, [p for p, r in reports.items() if not r.get("client_mode")], timeout=PING_TIMEOUT_S)
+    if alive or not opt.client_mode:
+        now = get_dht_time()
+        alive |= {p for p, r in reports.items() if r.get("client_mode") and now - float(r.get("time") or 0) <= TTL_S}
+    return alive
 
 
 def group_size(opt: hivemind.Optimizer, previous) -> int:
@@ -424,7 +434,15 @@ def set_epoch(opt: hivemind.Optimizer, step: int) -> None:
         averager._update_scheduler()
     opt.grad_averager.reset_accumulated_grads_()
     opt.tracker.report_local_progress(step, 0)
-    averager.state_sharing_priority = opt.grad_averager.state_sharing_priority = step
+    offer(averager, step)
+    offer(opt.grad_averager, step)
+
+
+def offer(averager: hivemind.DecentralizedAverager, priority: float) -> None:
+    """Offer this replica's state to the stage's late joiners at `priority` (the highest is taken from).
+    An averager in client mode (a peer behind a router: nobody can dial it) offers none."""
+    if not averager.client_mode:
+        averager.state_sharing_priority = priority
 
 
 class SwarmUpdater:
@@ -461,6 +479,10 @@ class SwarmUpdater:
         self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s, idle)
         self.opt = hivemind.Optimizer(
             dht=dht,
+            # hivemind 1.1.12 inherits the DHT's client mode in its averagers but not in the Optimizer
+            # itself (`client_mode if client_mode is None else dht.client_mode` keeps None), which then
+            # offers the state a client-mode averager cannot share and fails every step: said here.
+            client_mode=dht.client_mode,
             run_id=self.prefix,
             target_batch_size=t.global_batch,
             params=groups,
@@ -554,7 +576,7 @@ class SwarmUpdater:
             return True
         if self.check.diverged(expected=max(2, self.opt.tracker.global_progress.num_peers)):
             self.missed = True
-            self.opt.state_averager.state_sharing_priority = self.epoch - 0.5  # load from the majority
+            offer(self.opt.state_averager, self.epoch - 0.5)  # load from the majority
             log.warning(f"stage {self.stage} step {self.epoch}: these weights differ from the other replicas'")
         return self.missed
 
@@ -588,7 +610,7 @@ class SwarmUpdater:
             # hivemind's tracker also ends an epoch when its estimated time of arrival has passed.
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.eta_next_epoch = get_dht_time()
-        partners = answering(self.opt.dht, tracked_partners(self.opt), timeout=PING_TIMEOUT_S)
+        partners = live_partners(self.opt)
         if not partners:
             # No other replica of the stage is there to average with: step alone at once. hivemind
             # counts a replica that died until its progress record expires (TTL_S) and looks for a
@@ -633,7 +655,7 @@ class SwarmUpdater:
         if group == 0:
             # The others applied a step this replica did not: it must load their state.
             self.missed = True
-            self.opt.state_averager.state_sharing_priority = self.epoch - 0.5
+            offer(self.opt.state_averager, self.epoch - 0.5)
             return pending
         if group < 2 and pending < t.global_batch:
             # A partial gradient: the round failed. The others may have averaged among themselves
@@ -687,7 +709,7 @@ class SwarmUpdater:
                     return self.source
                 log.info(f"stage {self.stage} step {self.epoch}: no peer offers a newer state; keeping this one")
         self.missed, self.failed_loads = False, 0
-        self.opt.state_averager.state_sharing_priority = self.epoch
+        offer(self.opt.state_averager, self.epoch)
         self.check.publish(self.epoch, weights_digest(self.module))
         return self.source
 

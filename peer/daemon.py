@@ -29,6 +29,7 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -307,6 +308,22 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def behind_nat(options: PeerOptions, host: str) -> bool:
+    """Whether the coordinator cannot dial this machine, asked before anything serves: on two listening
+    sockets standing in for the stage service and the DHT node (on their ports when fixed), so that a
+    peer behind a router starts its DHT node in client mode (hivemind's: it dials out only, and no one
+    waits on it) and its gradient averager with it. False when the coordinator cannot say."""
+    with socket.create_server((host, options.port)) as stage, socket.create_server((host, options.dht_port)) as dht:
+        announced = announce_address(host, stage.getsockname()[1], options.announce_host)
+        name, dht_port = announced.rpartition(":")[0], dht.getsockname()[1]
+        maddr = f"/ip6/{name.strip('[]')}/tcp/{dht_port}" if ":" in name else f"/ip4/{name}/tcp/{dht_port}"
+        try:
+            found = dial_back(options.coordinator, options.join_token, announced, [maddr], timeout=15)
+        except ConfigError:
+            return False
+    return found.get("reach") == "unreachable"
+
+
 def run_peer(options: PeerOptions) -> int:
     """Join the run of `options.coordinator` and serve until a signal or the operator's removal.
     `options.checkpoint_dir` is checked before anything starts."""
@@ -336,6 +353,11 @@ def run_peer(options: PeerOptions) -> int:
 
     host = options.host
     dht_host = host if host not in ("", "::") else "0.0.0.0"
+    unreachable = behind_nat(options, dht_host)
+    if unreachable:
+        log.info(
+            "nobody can dial this machine: its DHT node dials out only (client mode), its stage goes through a relay"
+        )
     run, initial_peers, dht, member = join_dht(
         options.coordinator,
         "peer",
@@ -345,6 +367,7 @@ def run_peer(options: PeerOptions) -> int:
         host=dht_host,
         port=options.dht_port,
         announce_host=options.announce_host,
+        client_mode=unreachable,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -107,21 +107,25 @@ def by_name(state: dict, field: str) -> dict:
 
 
 @needs_net
-def test_a_peer_behind_a_home_router_serves_through_the_coordinators_relay(tmp_path: Path):
+def test_a_peer_behind_a_home_router_serves_through_the_relay_and_averages_with_a_public_replica(tmp_path: Path):
     with Internet() as net:
-        swarm = Emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "home"))
+        swarm = Emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home"))
         try:
             swarm.coordinator()
-            swarm.peer("p0", 0)
-            swarm.peer("home", 1)  # stage 1's only peer: every step goes through the relay
-            known = lambda s: len(by_name(s, "reach")) == 2 and "unknown" not in by_name(s, "reach").values()  # noqa: E731
+            for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
+                swarm.peer(name, stage)
+            known = lambda s: len(by_name(s, "reach")) == 3 and "unknown" not in by_name(s, "reach").values()  # noqa: E731
             state = swarm.state(known, 120)
-            assert by_name(state, "reach") == {"p0": "direct", "home": "relayed"}, by_name(state, "reach")
+            assert by_name(state, "reach") == {"p0": "direct", "p1": "direct", "home": "relayed"}
             relayed = by_name(state, "address")["home"]
             assert relayed.startswith(swarm.nodes["coordinator"].address + ":"), relayed
-            steps = swarm.train(3)  # a trainer behind a home router too: everyone dials out
-            assert [s["step"] for s in steps] == [0, 1, 2]
+            steps = swarm.train(4)  # a trainer behind a home router too: everyone dials out
+            assert [s["step"] for s in steps] == [0, 1, 2, 3]
             state = swarm.state(lambda s: by_name(s, "samples_served")["home"] > 0, 30)
+            said = (tmp_path / "home.log").read_text()
+            assert "its DHT node dials out only (client mode)" in said
+            # Its stage's gradients were averaged with the public replica's, home's DHT dialling out only.
+            assert re.search(r"stage 1 step \d+: \d+ samples, averaged in a group of 2", said), said[-3000:]
         finally:
             stop_all(swarm.procs)
 
