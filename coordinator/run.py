@@ -30,6 +30,7 @@ from hivemind.p2p import P2PDaemonError
 
 from coordinator.app import JoinInfo, create_app
 from coordinator.ca import CERT_TTL, RunCA
+from coordinator.contributions import Contributions
 from coordinator.control import ControlPublisher, OperatorControl
 from coordinator.history import History, HistoryRecorder
 from coordinator.invites import Invites
@@ -148,6 +149,7 @@ def serve_coordinator(
     history = History(state_dir / "history.sqlite")
     leases = shard_leases(run, state_dir, lease_ttl_s)
     recorder = HistoryRecorder(history)
+    contributions = Contributions(state_dir / "history.sqlite")
     known = KnownPeers(state_dir / "peers.json")
     # The DHT's process is forked before our handlers are installed, so it keeps the default
     # SIGTERM action (a signal to the whole process group ends it directly).
@@ -164,11 +166,21 @@ def serve_coordinator(
         maddrs = visible_maddrs(dht)
         holder = ViewHolder(empty_view(run.stages.count))
         holder.listen(recorder)  # events and progress points into the history
+        holder.listen(contributions)  # each peer's samples and speed over time
         reader = SwarmReader(dht, run.run_id, run.stages.count, holder, interval=READ_EVERY_S)
         reader.start()
         publisher.start()
 
-        app = create_app(run, holder, JoinInfo(initial_peers=maddrs), control, history, ca=ca, leases=leases)
+        app = create_app(
+            run,
+            holder,
+            JoinInfo(initial_peers=maddrs),
+            control,
+            history,
+            ca=ca,
+            leases=leases,
+            contributions=contributions,
+        )
         cert, key = tls if tls else (None, None)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
         server = uvicorn.Server(config)
@@ -222,6 +234,7 @@ def serve_coordinator(
         if reader is not None:
             reader.stop(timeout=2.0)
         history.close()
+        contributions.close()
         publisher.stop(timeout=2.0)
         member.stop()
         shutdown_dht(dht)
