@@ -106,9 +106,13 @@ class StateResponse(BaseModel):
     bottleneck_throughput: float = Field(
         description="total samples/s of the slowest stage: what the pipeline can do with today's placement"
     )
+    policy_throughput: float = Field(
+        description="the slowest stage's samples/s were the same online peers where the rebalancing policy's best "
+        "assignment puts them (swarm.rebalance.best_assignment): what the peers' moves aim at"
+    )
     balanced_throughput: float = Field(
-        description="the slowest stage's samples/s were the same online peers placed as the rebalancing policy's "
-        "best assignment has them (swarm.rebalance.best_assignment): what balance would give"
+        description="every stage's samples/s were the online peers' total spread evenly over the stages (total / "
+        "stages): the pipeline perfectly balanced, what its imbalance costs"
     )
     trainers: list[TrainerRecord]
     global_step: int = Field(description="most steps of any trainer; with no trainer, of any online peer; else 0")
@@ -124,7 +128,7 @@ class Health(BaseModel):
     ok: bool
 
 
-def balanced_throughput(view: SwarmView) -> float:
+def policy_throughput(view: SwarmView) -> float:
     """The lowest stage total were the online peers where the rebalancing policy's best assignment puts
     them, each weighed by the samples/s it announces (what the stage totals add up)."""
     online = [p for k in range(len(view.stages)) for p in view.online(k)]
@@ -139,9 +143,9 @@ def balanced_throughput(view: SwarmView) -> float:
 
 
 def build_state(
-    run: RunConfig, view: SwarmView, now: float | None = None, paused: bool = False, balanced: float | None = None
+    run: RunConfig, view: SwarmView, now: float | None = None, paused: bool = False, policy: float | None = None
 ) -> StateResponse:
-    """`balanced`: `balanced_throughput(view)`, when the caller has it already (it is costly for a few peers,
+    """`policy`: `policy_throughput(view)`, when the caller has it already (it is costly for a few peers,
     where best_assignment tries every placement)."""
     throughputs = view.stage_throughputs()
     lowest = min(throughputs) if throughputs else 0.0
@@ -175,7 +179,8 @@ def build_state(
         stages=stages,
         peers_online=sum(s.online for s in stages),
         bottleneck_throughput=lowest,
-        balanced_throughput=balanced_throughput(view) if balanced is None else balanced,
+        policy_throughput=policy_throughput(view) if policy is None else policy,
+        balanced_throughput=sum(throughputs) / len(throughputs) if throughputs else 0.0,
         trainers=view.trainers,
         global_step=progress.step,
         loss=progress.loss,
@@ -339,15 +344,15 @@ def create_app(
         current = current_state()
         return current if full else without_dht_addresses(current)
 
-    last: list[tuple[SwarmView | None, float]] = [(None, 0.0)]  # a view and its balanced throughput
+    last: list[tuple[SwarmView | None, float]] = [(None, 0.0)]  # a view and its policy throughput
 
     def current_state() -> StateResponse:
         view = view_holder.get()
-        seen, balanced = last[0]
+        seen, policy = last[0]
         if seen is not view:  # once per view, not per request
-            balanced = balanced_throughput(view)
-            last[0] = (view, balanced)
-        return build_state(run, view, paused=view_holder.control().paused, balanced=balanced)
+            policy = policy_throughput(view)
+            last[0] = (view, policy)
+        return build_state(run, view, paused=view_holder.control().paused, policy=policy)
 
     app.include_router(history_router(history))  # /api/v1/history, /api/v1/events (coordinator.api_history)
     app.include_router(peers_router(view_holder, history, contributions))  # /api/v1/peers (coordinator.api_peers)

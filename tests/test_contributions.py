@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from coordinator.app import JoinInfo, balanced_throughput, create_app
+from coordinator.app import JoinInfo, create_app, policy_throughput
 from coordinator.contributions import Contributions, tally
 from coordinator.history import History, HistoryRecorder
 from coordinator.view import ViewHolder, empty_view
@@ -155,5 +155,6 @@ def test_the_state_summarises_each_stage_and_what_balance_would_give(app_parts):
     assert state["peers_online"] == 4 and state["bottleneck_throughput"] == 2.0
     # The policy's best assignment swaps the 9 samples/s peer and e: stage totals 5 and 9.
     assert best_assignment([1.0, 2.0, 9.0, 2.0], [0, 0, 0, 1], 2) == [0, 0, 1, 0]
-    assert state["balanced_throughput"] == 5.0
-    assert balanced_throughput(empty_view(2)) == 0.0
+    assert state["policy_throughput"] == 5.0
+    assert state["balanced_throughput"] == (12.0 + 2.0) / 2  # perfect balance: what the imbalance costs
+    assert policy_throughput(empty_view(2)) == 0.0
