@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from urllib.parse import urlencode
 
 import torch
 from hivemind.utils import get_dht_time
@@ -322,6 +323,8 @@ def run_peer(options: PeerOptions) -> int:
             counts = [len(view.stages[k]) for k in range(run.stages.count)]
             stage = pick_stage(view.stage_throughputs(), counts, fits)
         peer.serve(stage)
+        me = peer.record.public_name or peer.record.peer_id  # the dashboard's ?peer= takes either
+        print(f"peer {me} online: {options.coordinator.rstrip('/')}/?{urlencode({'peer': me})}", flush=True)
         period = run.rebalance.period_s
 
         def next_check() -> float:

@@ -9,8 +9,8 @@ import { bannedTitle, el, fmtInt, fmtRate, isNumber, peerName, reconcile, volunt
 
 const BINS = 16; // speed ranges of the histogram, the same for every stage
 const KINDS = ["online", "joining", "leaving", "banned"]; // a histogram bar's parts, bottom up
-const CARD_PX = 62; // a peer card's height with its gap
-const COLUMN_HEAD_PX = 300; // what a stage shows above its cards, and the page's header
+const CARD_PX = 68; // a peer card's height with its gap
+const COLUMN_HEAD_PX = 360; // what a stage shows above its cards, and the page's header
 
 const expanded = new Set(); // stage indexes whose peer cards are shown
 
