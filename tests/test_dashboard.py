@@ -123,6 +123,7 @@ class Dashboard:
         )
 
     def screenshot(self, path: Path | str) -> None:
+        self.page.evaluate("() => window.scrollTo(0, 0)")  # the sticky header at the top, where it belongs
         self.page.screenshot(path=str(path), full_page=True)
 
 
