@@ -19,21 +19,17 @@ import time
 
 import httpx
 
-from benchmarks.common import log_dir, start_coordinator, stop_all
-from benchmarks.crowd import store_crowd, with_stages
+from benchmarks.common import log_dir
+from benchmarks.crowd import add_crowd_arguments, crowded_coordinator
 from benchmarks.results import append_row
 
 SECTION = "coordinator: /api/v1/state and /metrics latency with many peers in the DHT"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/tiny.toml", help="run config (its stage count is replaced)")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages (the config's model must have enough layers)")
-    p.add_argument("--peers", type=int, default=1000, help="peer records to store")
+    add_crowd_arguments(p)
     p.add_argument("--requests", type=int, default=200, help="GETs of each endpoint")
     p.add_argument("--goal-ms", type=float, default=200.0)
-    p.add_argument("--timeout-s", type=float, default=180.0, help="for the state to list every peer")
-    p.add_argument("--log-dir", default=None)
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -54,20 +50,12 @@ def timed_gets(client: httpx.Client, url: str, n: int) -> tuple[list[float], int
 
 def run(args: argparse.Namespace) -> str:
     tmp = log_dir(args.log_dir, "coordinator")
-    coordinator, url = start_coordinator(with_stages(args.config, args.stages, tmp), tmp / "coordinator.log")
-    crowd = None
-    try:
-        crowd = store_crowd(url, args.peers, args.stages)
-        visible_s = crowd.wait_listed(url, args.timeout_s)
+    with crowded_coordinator(args.config, args.stages, args.peers, tmp, args.timeout_s) as (url, _, visible_s):
         print(f"/api/v1/state lists all {args.peers} peers after {visible_s:.1f} s", flush=True)
         with httpx.Client(timeout=30) as client:
             load = os.getloadavg()[0]
             state_ms, state_bytes = timed_gets(client, f"{url}/api/v1/state", args.requests)
             metrics_ms, _ = timed_gets(client, f"{url}/metrics", args.requests)
-    finally:
-        if crowd is not None:
-            crowd.close()
-        stop_all([coordinator])
 
     p50s, p99s = percentile(state_ms, 50), percentile(state_ms, 99)
     p50m, p99m = percentile(metrics_ms, 50), percentile(metrics_ms, 99)

@@ -5,13 +5,17 @@ A second DHT node in this process, bootstrapped from the coordinator's /api/v1/j
 peer records (spread evenly over the stages; one in ten 'joining', one in fifty 'leaving', the rest
 'online') and one trainer record, all with a time to live longer than any benchmark. Readers take a
 stage record only from the peer it names (`swarm.records.read_stage`), so each peer record's id
-derives from a key of its own, made beforehand, that signs it.
+derives from a key of its own, made beforehand, that signs it. `crowded_coordinator` starts a
+coordinator of its own, stores the crowd into it and waits until its state lists every record.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import re
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +27,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarm.children import start_coordinator, stop_all
 from swarm.join import join_run
 from swarm.records import PeerRecord, TrainerRecord, shutdown_dht, signer_peer_id, stage_key, trainers_key
 
@@ -94,6 +99,15 @@ def peer_records(keys: list[RSAPrivateKey], stages: int) -> list[PeerRecord]:
     return records
 
 
+def add_crowd_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that stores a crowd into a coordinator of its own."""
+    p.add_argument("--config", default="configs/tiny.toml", help="run config (its stage count is replaced)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages (the config's model must have enough layers)")
+    p.add_argument("--peers", type=int, default=1000, help="peer records to store")
+    p.add_argument("--timeout-s", type=float, default=180.0, help="for the state to list every peer")
+    p.add_argument("--log-dir", default=None)
+
+
 def with_stages(config: Path | str, stages: int, folder: Path) -> Path:
     """`config` copied into `folder` with `stages` pipeline stages (its model must have enough layers)."""
     out = folder / "run.toml"
@@ -163,3 +177,22 @@ def store_crowd(url: str, count: int, stages: int) -> Crowd:
         raise
     print(f"stored {sum(stored)} of {len(records)} peer records in {time.monotonic() - began:.1f} s", flush=True)
     return Crowd(dht, records, trainer, sum(stored), began)
+
+
+@contextlib.contextmanager
+def crowded_coordinator(
+    config: Path | str, stages: int, peers: int, folder: Path, timeout_s: float
+) -> Iterator[tuple[str, Crowd, float]]:
+    """A real coordinator (`swarm coordinator`, its log in `folder`) of `config` with `stages` stages,
+    `peers` records stored into its DHT: its URL, the crowd, and the seconds until its state listed
+    them all. Everything is stopped on the way out."""
+    coordinator, url = start_coordinator(with_stages(config, stages, folder), folder / "coordinator.log")
+    crowd = None
+    try:
+        crowd = store_crowd(url, peers, stages)
+        listed_s = crowd.wait_listed(url, timeout_s)
+        yield url, crowd, listed_s
+    finally:
+        if crowd is not None:
+            crowd.close()
+        stop_all([coordinator])

@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 from playwright.sync_api import Browser, sync_playwright
 
-from benchmarks.common import log_dir, start_coordinator, stop_all
-from benchmarks.crowd import store_crowd, with_stages
+from benchmarks.common import log_dir
+from benchmarks.crowd import add_crowd_arguments, crowded_coordinator
 from benchmarks.results import append_row
 
 SECTION = "dashboard: script time per update with many peers"
@@ -61,14 +61,10 @@ def chromium() -> Iterator[Browser]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/tiny.toml", help="run config (its stage count is replaced)")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages (the config's model must have enough layers)")
-    p.add_argument("--peers", type=int, default=1000, help="peer records to store")
+    add_crowd_arguments(p)
     p.add_argument("--warmup", type=int, default=5, help="updates before the measured ones")
     p.add_argument("--updates", type=int, default=60, help="updates measured")
     p.add_argument("--goal-ms", type=float, default=50.0)
-    p.add_argument("--timeout-s", type=float, default=180.0, help="for the state to list every peer")
-    p.add_argument("--log-dir", default=None)
 
 
 def updates(page) -> int:
@@ -90,11 +86,7 @@ def metrics(cdp) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> str:
     tmp = log_dir(args.log_dir, "dashboard")
-    coordinator, url = start_coordinator(with_stages(args.config, args.stages, tmp), tmp / "coordinator.log")
-    crowd = None
-    try:
-        crowd = store_crowd(url, args.peers, args.stages)
-        crowd.wait_listed(url, args.timeout_s)
+    with crowded_coordinator(args.config, args.stages, args.peers, tmp, args.timeout_s) as (url, _, _):
         state_kib = len(httpx.get(f"{url}/api/v1/state", timeout=30).content) / 1024
         with chromium() as browser:
             page = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT}).new_page()
@@ -113,10 +105,6 @@ def run(args: argparse.Namespace) -> str:
             shown = page.evaluate("() => document.getElementById('peers-count').textContent")
             if errors:
                 raise RuntimeError(f"the dashboard threw: {errors}")
-    finally:
-        if crowd is not None:
-            crowd.close()
-        stop_all([coordinator])
 
     n = last - first
     script_ms = 1000 * (after["ScriptDuration"] - before["ScriptDuration"]) / n

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page
 
-from benchmarks.crowd import Crowd, store_crowd, with_stages
+from benchmarks.crowd import Crowd, crowded_coordinator
 from benchmarks.dashboard import CHROMIUM, HEIGHT, WIDTH, chromium
 from coordinator.app import JoinInfo, create_app
 from coordinator.view import ViewHolder, empty_view
@@ -274,18 +274,9 @@ def rate(v: float) -> str:
 @pytest.fixture(scope="module")
 def crowd(tmp_path_factory) -> Iterator[tuple[str, Crowd]]:
     """A real coordinator whose DHT holds CROWD peer records over CROWD_STAGES stages, once listed."""
-    tmp = tmp_path_factory.mktemp("crowd")
-    coordinator, url = start_coordinator(with_stages(TINY, CROWD_STAGES, tmp), tmp / "coordinator.log")
-    stored = None
-    try:
-        stored = store_crowd(url, CROWD, CROWD_STAGES)
+    with crowded_coordinator(TINY, CROWD_STAGES, CROWD, tmp_path_factory.mktemp("crowd"), 180) as (url, stored, _):
         assert stored.stored == CROWD
-        stored.wait_listed(url, timeout_s=180)
         yield url, stored
-    finally:
-        if stored is not None:
-            stored.close()
-        assert coordinator.stop() == 0
 
 
 def expected_stages(records: list[PeerRecord]) -> list[dict]:
