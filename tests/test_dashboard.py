@@ -159,7 +159,8 @@ def test_dashboard_files_are_served_from_the_package():
     assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
     assert 'src="static/app.js"' in index.text and 'href="static/style.css"' in index.text
     assert 'from "./chart.js"' in client.get("/static/app.js").text
-    for name, kind in [("app.js", "javascript"), ("chart.js", "javascript"), ("style.css", "text/css")]:
+    modules = ["app.js", "chart.js", "format.js", "stages.js", "peers.js", "volunteer.js"]
+    for name, kind in [*((m, "javascript") for m in modules), ("style.css", "text/css")]:
         response = client.get(f"/static/{name}")
         assert response.status_code == 200 and kind in response.headers["content-type"], name
     assert client.get("/static/missing.js").status_code == 404

@@ -94,7 +94,12 @@ async function pollState() {
     dash.clockOffset = state.read_at + state.age_s - Date.now() / 1000;
     dash.viewAge = state.age_s;
     dash.lastState = state;
+    const started = performance.now();
     render(state);
+    performance.measure("dashboard-update", { start: started });
+    dash.updates += 1;
+    document.body.dataset.updates = String(dash.updates);
+    if (dash.updates % MEASURES_KEPT === 0) performance.clearMeasures("dashboard-update");
     dash.reachable = true;
     dash.lastUpdate = Date.now();
   } catch (err) {
@@ -105,7 +110,6 @@ async function pollState() {
 }
 
 function render(state) {
-  const started = performance.now();
   const banned = spotBanned(state);
   renderHeader(state);
   renderPipeline($("pipeline"), state, banned);
@@ -113,10 +117,6 @@ function render(state) {
     state.stages.flatMap((s) => s.peers),
     { now: coordinatorNow(), banned },
   );
-  performance.measure("dashboard-update", { start: started });
-  dash.updates += 1;
-  document.body.dataset.updates = String(dash.updates);
-  if (dash.updates % MEASURES_KEPT === 0) performance.clearMeasures("dashboard-update");
 }
 
 async function pollVolunteer() {
