@@ -12,7 +12,8 @@ counters (the DevTools protocol's Performance.getMetrics) are read before and af
 - redraw p50 / p95: the page's own "dashboard-update" measures (app.js), the redraw from a new state
   alone.
 
-Goal: script ms per update <= --goal-ms.
+Goal: script ms per update <= --goal-ms, and the redraw's p95 too (Chrome's ScriptDuration counted
+less than the page's own measure of its redraw: 2.3 against 5.2 ms at the p50, so both are held to it).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> str:
     task_ms = 1000 * (after["TaskDuration"] - before["TaskDuration"]) / n
     p50 = statistics.median(redraws)
     p95 = statistics.quantiles(redraws, n=20, method="inclusive")[18] if len(redraws) > 1 else redraws[0]
-    met = "met" if script_ms <= args.goal_ms else "not met"
+    met = "met" if max(script_ms, p95) <= args.goal_ms else "not met"
     print(
         f"{n} updates ({shown}): script {script_ms:.1f} ms, tasks {task_ms:.1f} ms per update; "
         f"redraw p50 {p50:.1f} p95 {p95:.1f} ms",
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> str:
             f"{p50:.1f}",
             f"{p95:.1f}",
             f"{state_kib:.0f} KiB",
-            f"goal script <= {args.goal_ms:g} ms per update: {met}; headless chromium {WIDTH}x{HEIGHT}, "
+            f"goal script and redraw p95 <= {args.goal_ms:g} ms per update: {met}; headless chromium {WIDTH}x{HEIGHT}, "
             f"one poll a second, the coordinator on the same machine; load avg {load:.1f} at start",
         ],
     )
