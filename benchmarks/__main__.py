@@ -15,6 +15,7 @@ BENCHMARKS = {
     "averaging": "S stages x R replicas (averaged) vs the reference trainer: loss",
     "chaos": "kills, restarts and freezes while a swarm trains: nothing lost, loss vs undisturbed",
     "coordinator": "the coordinator's REST API with 1,000 peer records",
+    "dashboard": "the dashboard in chromium with 1,000 peer records: script time per update",
     "data": "the streaming loader on 1 GB of text files: tokens/s and memory vs the reference trainer",
     "failover": "2 peers per stage, one killed: tokens/s before and after, recovery time",
     "fuzz": "random and mutated requests to the stage service and the REST API",

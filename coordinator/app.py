@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Annotated, Literal
@@ -23,9 +24,11 @@ from coordinator.api_control import ErrorDetail, control_router, token_matches
 from coordinator.api_data import data_router
 from coordinator.api_history import history_router
 from coordinator.api_invites import invites_router
+from coordinator.api_peers import peers_router
 from coordinator.api_reachability import reachability_router
 from coordinator.api_speedtest import speedtest_router
 from coordinator.ca import RunCA
+from coordinator.contributions import Contributions
 from coordinator.control import OperatorControl
 from coordinator.history import History, point_of
 from coordinator.invites import InviteError, InviteRefused, Invites, UnknownInvite
@@ -35,6 +38,7 @@ from coordinator.view import ViewHolder
 from swarm import __version__
 from swarm.config import RunConfig
 from swarm.identity import CertificateError, identity_of, load_public_key, peer_id_of
+from swarm.rebalance import best_assignment
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
 from swarm.tokenizer import HFTokenizer, load_tokenizer
 
@@ -88,14 +92,32 @@ class StageState(BaseModel):
     layers: tuple[int, int] = Field(description="the transformer blocks [start, stop) this stage owns")
     peers: list[PeerRecord]
     online: int = Field(description="peers in state 'online'")
+    joining: int = Field(description="peers in state 'joining'")
+    leaving: int = Field(description="peers in state 'leaving'")
     throughput: float = Field(description="total samples/s of the online peers")
+    median_throughput: float = Field(description="the median samples/s of the online peers (0 with none)")
+    queue: int = Field(description="requests waiting at the online peers, all together")
+    queue_per_peer: float = Field(description="queue / online (0 with none online): the stage's queue pressure")
     bottleneck: bool = Field(description="lowest total throughput of all stages (every stage tied for it)")
+    most_queue: bool = Field(description="the longest queue per online peer of all stages, when any queues")
 
 
 class StateResponse(BaseModel):
     run_id: str
     num_stages: int
     stages: list[StageState]
+    peers_online: int = Field(description="peers online on any stage")
+    bottleneck_throughput: float = Field(
+        description="total samples/s of the slowest stage: what the pipeline can do with today's placement"
+    )
+    policy_throughput: float = Field(
+        description="the slowest stage's samples/s were the same online peers where the rebalancing policy's best "
+        "assignment puts them (swarm.rebalance.best_assignment): what the peers' moves aim at"
+    )
+    balanced_throughput: float = Field(
+        description="every stage's samples/s were the online peers' total spread evenly over the stages (total / "
+        "stages): the pipeline perfectly balanced, what its imbalance costs"
+    )
     trainers: list[TrainerRecord]
     global_step: int = Field(description="most steps of any trainer; with no trainer, of any online peer; else 0")
     loss: float | None = Field(description="the last loss of the trainer with the most steps")
@@ -110,20 +132,47 @@ class Health(BaseModel):
     ok: bool
 
 
-def build_state(run: RunConfig, view: SwarmView, now: float | None = None, paused: bool = False) -> StateResponse:
+def policy_throughput(view: SwarmView) -> float:
+    """The lowest stage total were the online peers where the rebalancing policy's best assignment puts
+    them, each weighed by the samples/s it announces (what the stage totals add up)."""
+    online = [p for k in range(len(view.stages)) for p in view.online(k)]
+    if not view.stages:
+        return 0.0
+    speeds = [p.throughput for p in online]
+    best = best_assignment(speeds, [p.stage for p in online], len(view.stages))
+    totals = [0.0] * len(view.stages)
+    for x, k in zip(speeds, best, strict=True):
+        totals[k] += x
+    return min(totals)
+
+
+def build_state(
+    run: RunConfig, view: SwarmView, now: float | None = None, paused: bool = False, policy: float | None = None
+) -> StateResponse:
+    """`policy`: `policy_throughput(view)`, when the caller has it already (it is costly for a few peers,
+    where best_assignment tries every placement)."""
     throughputs = view.stage_throughputs()
     lowest = min(throughputs) if throughputs else 0.0
+    pressure = [_queue_per_peer(view.online(k)) for k in range(len(view.stages))]
+    most = max(pressure, default=0.0)
     stages = []
     for k, peers in enumerate(view.stages):
         layers = run.stage_layers(k)
+        online = view.online(k)
         stages.append(
             StageState(
                 index=k,
                 layers=(layers.start, layers.stop),
                 peers=peers,
-                online=len(view.online(k)),
+                online=len(online),
+                joining=sum(p.state == "joining" for p in peers),
+                leaving=sum(p.state == "leaving" for p in peers),
                 throughput=throughputs[k],
+                median_throughput=statistics.median(p.throughput for p in online) if online else 0.0,
+                queue=sum(p.queue for p in online),
+                queue_per_peer=pressure[k],
                 bottleneck=math.isclose(throughputs[k], lowest, rel_tol=1e-9, abs_tol=1e-9),
+                most_queue=most > 0 and math.isclose(pressure[k], most, rel_tol=1e-9),
             )
         )
     now = time.time() if now is None else now
@@ -132,6 +181,10 @@ def build_state(run: RunConfig, view: SwarmView, now: float | None = None, pause
         run_id=run.run_id,
         num_stages=run.stages.count,
         stages=stages,
+        peers_online=sum(s.online for s in stages),
+        bottleneck_throughput=lowest,
+        policy_throughput=policy_throughput(view) if policy is None else policy,
+        balanced_throughput=sum(throughputs) / len(throughputs) if throughputs else 0.0,
         trainers=view.trainers,
         global_step=progress.step,
         loss=progress.loss,
@@ -141,6 +194,10 @@ def build_state(run: RunConfig, view: SwarmView, now: float | None = None, pause
         read_at=view.read_at,
         age_s=max(0.0, now - view.read_at),
     )
+
+
+def _queue_per_peer(online: list[PeerRecord]) -> float:
+    return sum(p.queue for p in online) / len(online) if online else 0.0
 
 
 def without_dht_addresses(state: StateResponse) -> StateResponse:
@@ -160,13 +217,17 @@ def create_app(
     history: History | None = None,
     ca: RunCA | None = None,
     leases: ShardLeases | None = None,
+    contributions: Contributions | None = None,
 ) -> FastAPI:
-    """The coordinator's HTTP app; without a `history` store it keeps the history in memory only. When
+    """The coordinator's HTTP app; without a `history` store it keeps the history in memory only, and
+    without `contributions` (the peers' tallies, a listener of `view_holder` the caller registers) it
+    knows of no peer's contribution. When
     the control's invites guard the run (a join token, or invite-only), /api/v1/join,
     /api/v1/certificate and the shard leases answer only requests that carry a valid token (reading
     the swarm stays open). Without `control`, an open run that nobody controls; without `leases`, no
     data endpoints (trainers then read every shard themselves)."""
     history = history if history is not None else History(Path(":memory:"))
+    contributions = contributions if contributions is not None else Contributions(Path(":memory:"))
     invites = control.invites if control is not None else Invites(None)
     app = FastAPI(
         title=f"swarm coordinator: run {run.run_id}",
@@ -288,10 +349,18 @@ def create_app(
         current = current_state()
         return current if full else without_dht_addresses(current)
 
+    last: list[tuple[SwarmView | None, float]] = [(None, 0.0)]  # a view and its policy throughput
+
     def current_state() -> StateResponse:
-        return build_state(run, view_holder.get(), paused=view_holder.control().paused)
+        view = view_holder.get()
+        seen, policy = last[0]
+        if seen is not view:  # once per view, not per request
+            policy = policy_throughput(view)
+            last[0] = (view, policy)
+        return build_state(run, view, paused=view_holder.control().paused, policy=policy)
 
     app.include_router(history_router(history))  # /api/v1/history, /api/v1/events (coordinator.api_history)
+    app.include_router(peers_router(view_holder, history, contributions))  # /api/v1/peers (coordinator.api_peers)
     app.include_router(metrics_router(current_state))  # /metrics (coordinator.metrics)
 
     app.include_router(control_router(view_holder, control))  # operator-only (coordinator.api_control)

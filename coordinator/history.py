@@ -43,6 +43,7 @@ CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, t REAL NOT NULL, kind TEXT NOT NULL,
     peer TEXT, stage INTEGER, text TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS events_peer ON events (peer, id);
 CREATE TABLE IF NOT EXISTS seen_peers (peer_id TEXT PRIMARY KEY, t REAL NOT NULL);
 """
 
@@ -75,6 +76,7 @@ def point_of(view: SwarmView) -> HistoryPoint:
 
 
 POINT_COLUMNS = "t, step, loss, val_loss, tokens_per_s, stage_throughput"
+EVENT_COLUMNS = "id, t, kind, peer, stage, text"
 
 
 def _point(row: tuple) -> HistoryPoint:
@@ -154,14 +156,24 @@ class History:
 
     def events(self, after: int | None = None, limit: int = 200) -> list[Event]:
         """Events with id > `after`, ascending, at most `limit`; without `after`, the newest `limit`."""
-        columns = "SELECT id, t, kind, peer, stage, text FROM events"
+        columns = f"SELECT {EVENT_COLUMNS} FROM events"
         with self._lock:
             if after is None:
                 rows = self._db.execute(f"{columns} ORDER BY id DESC LIMIT ?", (limit,)).fetchall()[::-1]
             else:
                 rows = self._db.execute(f"{columns} WHERE id > ? ORDER BY id LIMIT ?", (after, limit)).fetchall()
-        keys = ("id", "t", "kind", "peer", "stage", "text")
-        return [Event(**dict(zip(keys, row, strict=True))) for row in rows]
+        return _events(rows)
+
+    def events_of(self, peer: str, kinds: Iterable[str], limit: int = 500) -> list[Event]:
+        """The newest `limit` events of `kinds` naming the peer `peer` (its public name), ascending."""
+        kinds = list(kinds)
+        marks = ", ".join("?" * len(kinds))
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {EVENT_COLUMNS} FROM events WHERE peer = ? AND kind IN ({marks}) ORDER BY id DESC LIMIT ?",
+                (peer, *kinds, limit),
+            ).fetchall()[::-1]
+        return _events(rows)
 
     def seen_peers(self) -> dict[str, float]:
         """The peers seen online, with when they were last."""
@@ -180,6 +192,11 @@ class History:
         """Forget the peers last seen online before `before`."""
         with self._lock, self._db:
             self._db.execute("DELETE FROM seen_peers WHERE t < ?", (before,))
+
+
+def _events(rows: list[tuple]) -> list[Event]:
+    keys = ("id", "t", "kind", "peer", "stage", "text")
+    return [Event(**dict(zip(keys, row, strict=True))) for row in rows]
 
 
 def _moved(a: HistoryPoint, b: HistoryPoint) -> bool:

@@ -30,6 +30,7 @@ from hivemind.p2p import P2PDaemonError
 
 from coordinator.app import JoinInfo, create_app
 from coordinator.ca import CERT_TTL, RunCA
+from coordinator.contributions import Contributions
 from coordinator.control import ControlPublisher, OperatorControl
 from coordinator.history import History, HistoryRecorder
 from coordinator.invites import Invites
@@ -153,6 +154,7 @@ def serve_coordinator(
     history = History(state_dir / "history.sqlite")
     leases = shard_leases(run, state_dir, lease_ttl_s)
     recorder = HistoryRecorder(history)
+    contributions = Contributions(state_dir / "history.sqlite")
     known = KnownPeers(state_dir / "peers.json")
     # The DHT's process is forked before our handlers are installed, so it keeps the default
     # SIGTERM action (a signal to the whole process group ends it directly).
@@ -174,12 +176,20 @@ def serve_coordinator(
         maddrs = visible_maddrs(dht)
         holder = ViewHolder(empty_view(run.stages.count))
         holder.listen(recorder)  # events and progress points into the history
+        holder.listen(contributions)  # each peer's samples and speed over time
         reader = SwarmReader(dht, run.run_id, run.stages.count, holder, interval=READ_EVERY_S)
         reader.start()
         publisher.start()
 
         app = create_app(
-            run, holder, JoinInfo(initial_peers=maddrs, relay=relay), control, history, ca=ca, leases=leases
+            run,
+            holder,
+            JoinInfo(initial_peers=maddrs, relay=relay),
+            control,
+            history,
+            ca=ca,
+            leases=leases,
+            contributions=contributions,
         )
         cert, key = tls if tls else (None, None)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
@@ -236,6 +246,7 @@ def serve_coordinator(
         if relay_server is not None:
             relay_server.stop(grace=1.0)
         history.close()
+        contributions.close()
         publisher.stop(timeout=2.0)
         member.stop()
         shutdown_dht(dht)

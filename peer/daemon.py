@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+from urllib.parse import urlencode
 
 import httpx
 import torch
@@ -387,6 +388,8 @@ def run_peer(options: PeerOptions) -> int:
             stage = pick_stage(stage_totals(view), counts, fits)
         peer.serve(stage)
         peer.check_reach()
+        me = peer.record.public_name or peer.record.peer_id  # the dashboard's ?peer= takes either
+        print(f"peer {me} online: {options.coordinator.rstrip('/')}/?{urlencode({'peer': me})}", flush=True)
         period = run.rebalance.period_s
 
         def next_check() -> float:

@@ -1,11 +1,17 @@
 // The live dashboard: polls the coordinator's API every second and redraws the header, the
-// pipeline, the charts, the peer table, the invites and the event log from what it returns.
+// pipeline's stage summaries (stages.js), the charts, the peer table (peers.js), the invites, the
+// event log and, at `?peer=NAME`, that volunteer's view (volunteer.js) from what it returns.
 //
 // Only new history points (?since=) and new events (?after=) are fetched after the first poll.
 // Every string that comes from the API (peer names are user input) reaches the page through
-// textContent or an attribute, never as markup.
+// textContent or an attribute, never as markup (format.js). Each redraw from a new state is timed
+// as the performance measure "dashboard-update", and counted in <body data-updates>.
 
 import { drawChart } from "./chart.js";
+import { el, fmtClock, fmtDuration, fmtInt, fmtLoss, fmtRate, isNumber, reconcile, spotBanned } from "./format.js";
+import { renderPeerTable, setUpPeerTable } from "./peers.js";
+import { renderPipeline } from "./stages.js";
+import { renderVolunteer, requestedPeer, showVolunteerMessage, showVolunteerPanel } from "./volunteer.js";
 
 const POLL_MS = 1000;
 const FETCH_TIMEOUT_MS = 5000;
@@ -15,6 +21,8 @@ const EVENT_PAGE = 1000; // the API's largest page
 const EVENT_PAGES_PER_POLL = 20;
 const STALE_VIEW_S = 15; // the coordinator's view of the DHT is old: say so
 const MISSING_RETRY_MS = 10000; // an endpoint this coordinator lacks (404) is asked again this rarely
+const UNKNOWN_PEER_RETRY_MS = 5000; // a volunteer the coordinator does not know (yet) is asked again this rarely
+const MEASURES_KEPT = 3600; // "dashboard-update" measures kept before the oldest are dropped
 
 const $ = (id) => document.getElementById(id);
 
@@ -33,11 +41,33 @@ const dash = {
   reachable: null,
   viewAge: 0,
   clockOffset: 0, // coordinator clock minus this browser's clock, seconds
+  lastState: null,
+  updates: 0, // redraws from a new state
+  volunteer: requestedPeer(window.location.search), // null, {name} or {error}
+  volunteerRetryAt: 0,
 };
 
 // ---- fetching -------------------------------------------------------------------------------
 
-class NotFound extends Error {}
+class HttpError extends Error {
+  constructor(path, status, detail) {
+    super(`${path}: HTTP ${status}${detail ? `: ${detail}` : ""}`);
+    this.status = status;
+    this.detail = detail;
+  }
+}
+
+class NotFound extends HttpError {}
+
+// The API's error message (FastAPI's {"detail": ...}), if the body has one.
+async function detailOf(response) {
+  try {
+    const detail = (await response.json()).detail;
+    return typeof detail === "string" ? detail : Array.isArray(detail) ? detail.map((d) => d.msg).join("; ") : null;
+  } catch {
+    return null;
+  }
+}
 
 async function getJSON(path, params = {}) {
   const url = new URL(path, document.baseURI);
@@ -48,8 +78,8 @@ async function getJSON(path, params = {}) {
   const timer = setTimeout(() => controller.abort(), FETCH_TIMEOUT_MS);
   try {
     const response = await fetch(url, { cache: "no-store", signal: controller.signal });
-    if (response.status === 404) throw new NotFound(url.pathname);
-    if (!response.ok) throw new Error(`${url.pathname}: HTTP ${response.status}`);
+    if (response.status === 404) throw new NotFound(url.pathname, 404, await detailOf(response));
+    if (!response.ok) throw new HttpError(url.pathname, response.status, await detailOf(response));
     return await response.json();
   } finally {
     clearTimeout(timer);
@@ -63,9 +93,13 @@ async function pollState() {
     dash.runId = state.run_id;
     dash.clockOffset = state.read_at + state.age_s - Date.now() / 1000;
     dash.viewAge = state.age_s;
-    renderHeader(state);
-    renderPipeline(state);
-    renderPeerTable(state);
+    dash.lastState = state;
+    const started = performance.now();
+    render(state);
+    performance.measure("dashboard-update", { start: started });
+    dash.updates += 1;
+    document.body.dataset.updates = String(dash.updates);
+    if (dash.updates % MEASURES_KEPT === 0) performance.clearMeasures("dashboard-update");
     dash.reachable = true;
     dash.lastUpdate = Date.now();
   } catch (err) {
@@ -73,6 +107,29 @@ async function pollState() {
     console.warn("dashboard: /api/v1/state:", err);
   }
   renderFreshness();
+}
+
+function render(state) {
+  const banned = spotBanned(state);
+  renderHeader(state);
+  renderPipeline($("pipeline"), state, banned);
+  renderPeerTable(
+    state.stages.flatMap((s) => s.peers),
+    { now: coordinatorNow(), banned },
+  );
+}
+
+async function pollVolunteer() {
+  const request = dash.volunteer;
+  if (!request || request.error || Date.now() < dash.volunteerRetryAt) return;
+  try {
+    renderVolunteer(await getJSON(`api/v1/peers/${encodeURIComponent(request.name)}`), coordinatorNow());
+  } catch (err) {
+    if (err instanceof HttpError) {
+      dash.volunteerRetryAt = Date.now() + UNKNOWN_PEER_RETRY_MS;
+      showVolunteerMessage(err.detail ?? err.message);
+    }
+  }
 }
 
 async function pollHistory() {
@@ -156,61 +213,13 @@ function resetRun() {
 
 async function tick() {
   const started = Date.now();
-  await Promise.allSettled([pollState(), pollHistory(), pollEvents(), pollInvites(), pollData()]);
+  await Promise.allSettled([pollState(), pollHistory(), pollEvents(), pollInvites(), pollData(), pollVolunteer()]);
   setTimeout(tick, Math.max(0, POLL_MS - (Date.now() - started)));
 }
 
 // ---- formatting -----------------------------------------------------------------------------
 
-function el(tag, className = null, text = null) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== null) node.textContent = text;
-  return node;
-}
-
-const isNumber = (v) => typeof v === "number" && Number.isFinite(v);
-const fmtLoss = (v) => (isNumber(v) ? v.toFixed(3) : "–");
-const fmtRate = (v) => (isNumber(v) ? (v >= 100 ? Math.round(v).toLocaleString("en") : v.toFixed(1)) : "–");
-const fmtInt = (v) => (isNumber(v) ? Math.round(v).toLocaleString("en") : "–");
-const peerName = (p) => p.public_name || p.peer_id.slice(-8);
-
-function fmtDuration(seconds) {
-  if (!isNumber(seconds) || seconds < 0) return "–";
-  const s = Math.floor(seconds);
-  if (s < 60) return `${s} s`;
-  if (s < 3600) return `${Math.floor(s / 60)} min`;
-  if (s < 86400) return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} min`;
-  return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
-}
-
-function fmtClock(t) {
-  return new Date(t * 1000).toLocaleTimeString("en-GB", { hour12: false });
-}
-
 const coordinatorNow = () => Date.now() / 1000 + dash.clockOffset;
-
-// Make `container`'s children match `items` in order, reusing the element of each key.
-function reconcile(container, items, keyOf, create, update) {
-  const existing = new Map();
-  for (const child of container.children) existing.set(child.dataset.key, child);
-  let previous = null;
-  for (const item of items) {
-    const key = keyOf(item);
-    let node = existing.get(key);
-    if (node) {
-      existing.delete(key);
-    } else {
-      node = create(item);
-      node.dataset.key = key;
-    }
-    update(node, item);
-    const expected = previous ? previous.nextSibling : container.firstChild;
-    if (node !== expected) container.insertBefore(node, expected);
-    previous = node;
-  }
-  for (const stale of existing.values()) stale.remove();
-}
 
 // ---- rendering ------------------------------------------------------------------------------
 
@@ -226,21 +235,14 @@ function renderHeader(state) {
   const spot = (field) => fmtInt(state.trainers.reduce((sum, t) => sum + (t[field] ?? 0), 0));
   $("spot-checks").textContent = `${spot("spot_checks")} / ${spot("spot_disagreements")} / ${spot("spot_bans")}`;
   $("paused").hidden = !state.paused;
-}
-
-// Peer id -> names of the trainers whose spot checks banned it (swarm/verify.py).
-function spotBanned(state) {
-  const banned = new Map();
-  for (const t of state.trainers) {
-    for (const peerId of Object.keys(t.spot_banned ?? {})) {
-      banned.set(peerId, [...(banned.get(peerId) ?? []), t.public_name || t.trainer_id.slice(0, 8)]);
-    }
-  }
-  return banned;
-}
-
-function bannedTitle(trainers) {
-  return `banned by the spot checks of trainer ${trainers.join(", ")}: its outputs disagreed with two agreeing peers`;
+  const online = state.peers_online ?? state.stages.reduce((sum, s) => sum + s.online, 0);
+  $("peers-online").textContent = fmtInt(online);
+  $("bottleneck-throughput").textContent = fmtRate(state.bottleneck_throughput);
+  $("policy-throughput").textContent = fmtRate(state.policy_throughput);
+  const balanced = state.balanced_throughput;
+  const gain = state.bottleneck_throughput > 0 ? balanced / state.bottleneck_throughput - 1 : null;
+  $("balanced-throughput").textContent =
+    isNumber(gain) && gain >= 0.0005 ? `${fmtRate(balanced)} (+${(100 * gain).toFixed(1)} %)` : fmtRate(balanced);
 }
 
 function renderFreshness() {
@@ -257,136 +259,6 @@ function renderFreshness() {
     node.textContent = `updated ${ago}s ago${stale}`;
     node.className = stale ? "freshness warn" : "freshness ok";
   }
-}
-
-function renderPipeline(state) {
-  const allPeers = state.stages.flatMap((s) => s.peers);
-  const fastest = Math.max(0, ...allPeers.map((p) => p.throughput));
-  const banned = spotBanned(state);
-  const columns = [{ kind: "trainers", trainers: state.trainers }, ...state.stages.map((s) => ({ kind: "stage", s }))];
-  reconcile(
-    $("pipeline"),
-    columns,
-    (c) => (c.kind === "trainers" ? "trainers" : `stage-${c.s.index}`),
-    (c) => (c.kind === "trainers" ? createTrainerColumn() : createStageColumn(c.s)),
-    (node, c) =>
-      c.kind === "trainers" ? updateTrainerColumn(node, c.trainers) : updateStageColumn(node, c.s, fastest, banned),
-  );
-}
-
-function createTrainerColumn() {
-  const section = el("section", "trainers");
-  const header = el("header");
-  header.append(el("h3", null, "Trainers"), el("span", "meta"));
-  section.append(header, el("div", "boxes"));
-  return section;
-}
-
-function updateTrainerColumn(section, trainers) {
-  section.querySelector("header .meta").textContent = `${trainers.length} feeding data`;
-  const sorted = [...trainers].sort((a, b) => a.public_name.localeCompare(b.public_name));
-  reconcile(
-    section.querySelector(".boxes"),
-    sorted,
-    (t) => t.trainer_id,
-    (t) => {
-      const box = el("div", "trainer");
-      box.dataset.trainerId = t.trainer_id;
-      box.append(el("div", "name"), el("div", "meta"));
-      return box;
-    },
-    (box, t) => {
-      box.querySelector(".name").textContent = t.public_name || t.trainer_id.slice(0, 8);
-      box.querySelector(".meta").textContent =
-        `step ${fmtInt(t.steps)} · loss ${fmtLoss(t.loss)} · ${fmtRate(t.tokens_per_s)} tok/s`;
-    },
-  );
-}
-
-function createStageColumn(stage) {
-  const section = el("section", "stage");
-  section.dataset.stage = String(stage.index);
-  const header = el("header");
-  const title = el("h3", null, `Stage ${stage.index}`);
-  header.append(title, el("span", "layers"), el("span", "tag bottleneck-tag", "bottleneck"), el("span", "total"));
-  section.append(header, el("div", "boxes"));
-  return section;
-}
-
-function updateStageColumn(section, stage, fastest, banned) {
-  section.classList.toggle("bottleneck", Boolean(stage.bottleneck));
-  const [start, stop] = stage.layers;
-  section.querySelector(".layers").textContent = stop - start === 1 ? `layer ${start}` : `layers ${start}–${stop - 1}`;
-  section.querySelector(".total").textContent = `${fmtRate(stage.throughput)} samples/s · ${stage.online} online`;
-  const peers = [...stage.peers].sort((a, b) => peerName(a).localeCompare(peerName(b)));
-  reconcile(section.querySelector(".boxes"), peers, (p) => p.peer_id, createPeerBox, (box, p) =>
-    updatePeerBox(box, p, fastest, banned.get(p.peer_id)),
-  );
-}
-
-function createPeerBox(peer) {
-  const box = el("div", "peer");
-  box.dataset.peerId = peer.peer_id;
-  const bar = el("div", "bar");
-  bar.append(el("div", "fill"));
-  box.append(el("div", "name"), el("div", "meta"), bar, el("div", "speed"));
-  return box;
-}
-
-function updatePeerBox(box, peer, fastest, bannedBy) {
-  box.dataset.state = peer.state;
-  box.classList.toggle("banned", Boolean(bannedBy));
-  const why = bannedBy ? `; ${bannedTitle(bannedBy)}` : "";
-  box.title = `${peerName(peer)} (${peer.peer_id}) at ${peer.address}${why}`;
-  box.querySelector(".name").textContent = peerName(peer);
-  const moving = isNumber(peer.moving_to) ? ` · moving to stage ${peer.moving_to}` : "";
-  const ban = bannedBy ? " · banned" : "";
-  box.querySelector(".meta").textContent = `${peer.device || "?"} · ${peer.state}${ban} · queue ${peer.queue}${moving}`;
-  const share = fastest > 0 ? peer.throughput / fastest : 0;
-  box.querySelector(".fill").style.width = `${(100 * share).toFixed(1)}%`;
-  box.querySelector(".speed").textContent = `${fmtRate(peer.throughput)} samples/s`;
-}
-
-const PEER_COLUMNS = ["name", "device", "stage num", "throughput num", "queue num", "state", "uptime num", "version", "address"];
-
-function renderPeerTable(state) {
-  const peers = state.stages
-    .flatMap((s) => s.peers)
-    .sort((a, b) => a.stage - b.stage || peerName(a).localeCompare(peerName(b)));
-  const now = coordinatorNow();
-  const banned = spotBanned(state);
-  reconcile(
-    $("peers").tBodies[0],
-    peers,
-    (p) => `${p.peer_id}/${p.stage}`,
-    (p) => {
-      const row = el("tr");
-      row.dataset.peerId = p.peer_id;
-      for (const column of PEER_COLUMNS) row.append(el("td", column));
-      return row;
-    },
-    (row, p) => {
-      row.dataset.state = p.state;
-      const cells = row.cells;
-      cells[0].textContent = peerName(p);
-      cells[1].textContent = p.device;
-      cells[2].textContent = String(p.stage);
-      cells[3].textContent = fmtRate(p.throughput);
-      cells[4].textContent = String(p.queue);
-      const bannedBy = banned.get(p.peer_id);
-      row.classList.toggle("banned", Boolean(bannedBy));
-      cells[5].replaceChildren(el("span", `state ${p.state}`, p.state));
-      if (bannedBy) {
-        const tag = el("span", "tag banned-tag", "banned");
-        tag.title = bannedTitle(bannedBy);
-        cells[5].append(" ", tag);
-      }
-      cells[6].textContent = p.started > 0 ? fmtDuration(now - p.started) : "–";
-      cells[7].textContent = p.version;
-      cells[8].textContent = p.address;
-    },
-  );
-  $("no-peers").hidden = peers.length > 0;
 }
 
 // Names, identity counts, expiry and revocation: the listing carries no token, and shows none.
@@ -484,6 +356,11 @@ window.addEventListener("resize", () => {
   clearTimeout(resizeTimer);
   resizeTimer = setTimeout(drawCharts, 150);
 });
+$("pipeline").addEventListener("expand", () => {
+  if (dash.lastState) render(dash.lastState);
+});
+setUpPeerTable();
+if (dash.volunteer) showVolunteerPanel(dash.volunteer);
 $("show-steps").addEventListener("change", (e) => $("events").classList.toggle("hide-steps", !e.target.checked));
 setInterval(renderFreshness, 500);
 drawCharts();
