@@ -43,7 +43,7 @@ from swarm.identity import Member
 from swarm.net import announce_address, cleartext_warning
 from swarm.ready import CoordinatorReady, write_ready
 from swarm.records import identity_key, make_dht, read_removed, shutdown_dht, visible_maddrs
-from swarm.relay import RelayHub, start_relay
+from swarm.relay import RelayHub, bearer_admission, start_relay
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,8 @@ def serve_coordinator(
     code = 0
     try:
         if relay_capacity > 0:
-            hub = RelayHub(host, announce_host, relay_capacity, invites.admit if invites.guarded else None)
+            admit = bearer_admission(invites.admit) if invites.guarded else None
+            hub = RelayHub(host, announce_host, relay_capacity, admit)
             relay_server, bound_relay = start_relay(hub, relay_port)
             relay = announce_address(host, bound_relay, announce_host)
         maddrs = visible_maddrs(dht)

@@ -65,7 +65,7 @@ from swarm.records import (
     shutdown_dht,
     visible_maddrs,
 )
-from swarm.relay import RelayLink
+from swarm.relay import RelayHub, RelayLink, start_relay
 from swarm.steps import majority_step, others_step
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,11 @@ EXIT_DEADLINE_S = 20.0
 # Peers that start together wait a random time up to this before they pick a stage, so that each
 # sees the ones before it and they spread out.
 SPREAD_WAIT_S = 2.0
+
+
+def any_relay(dht, run: RunConfig) -> bool:
+    """Whether a peer of the run relays (`--relay`)."""
+    return any(p.relay for s in read_swarm(dht, run.run_id, run.stages.count).stages for p in s)
 
 
 class PeerDaemon:
@@ -113,6 +118,7 @@ class PeerDaemon:
         self.measured = 0.0
         self.link: tuple[float, float] | None = None  # (uplink, downlink) bits/s, from the coordinator's link test
         self.relay: RelayLink | None = None  # when nobody can dial this peer: its stream to a relay
+        self.relay_server = None  # with --relay: the relay it runs for others
         self.steadiness = peer_steadiness()
 
     @property
@@ -180,8 +186,8 @@ class PeerDaemon:
         if found["reach"] == "direct":
             log.info(f"peer {self.name}: reachable: the coordinator dialled {r.address} back")
             return
-        if found.get("relay"):
-            self.serve_through(found["relay"])
+        if found.get("relay") or any_relay(self.dht, self.run):
+            self.serve_through(found.get("relay"))
             return
         failed = [d for d in [found["stage"], *found["dht"]] if d["reach"] != "direct"]
         dht_port = next((m.group(1) for a in r.dht_addrs if (m := re.search(r"/tcp/(\d+)", a))), "PORT")
@@ -193,16 +199,38 @@ class PeerDaemon:
             f"--dht-port {dht_port} --announce-host YOUR_PUBLIC_IP; or open those ports in this machine's firewall."
         )
 
-    def serve_through(self, relay: str) -> None:
-        """Nobody can dial this peer: keep a stream open to `relay`, and announce the address it gives."""
+    def serve_through(self, coordinator_relay: str | None) -> None:
+        """Nobody can dial this peer: keep a stream open to a relay (the peers' started with --relay, in
+        random order, then the coordinator's), and announce the address it gives; when that relay
+        goes, the next one."""
         host = self.options.host if self.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
 
+        def relays() -> list[tuple[str, str | None]]:
+            view = read_swarm(self.dht, self.run.run_id, self.run.stages.count)
+            mine = self.record.peer_id
+            found = [(p.relay, p.peer_id) for s in view.stages for p in s if p.relay and p.peer_id != mine]
+            random.shuffle(found)
+            return found + ([(coordinator_relay, None)] if coordinator_relay else [])
+
         def relayed(address: str) -> None:
-            log.info(f"peer {self.name}: relayed: trainers reach it through {relay} at {address}")
+            log.info(f"peer {self.name}: relayed: trainers reach it at {address}")
             self.announce(address=address, reach="relayed")
 
-        log.info(f"peer {self.name}: not reachable from outside; serving through the coordinator's relay {relay}")
-        self.relay = RelayLink(lambda: [relay], (host, self.port), relayed, self.options.join_token).start()
+        log.info(f"peer {self.name}: not reachable from outside; serving through a relay")
+        opts = self.options
+        self.relay = RelayLink(relays, (host, self.port), relayed, opts.join_token, self.member).start()
+
+    def run_relay(self, capacity: int) -> None:
+        """Relay up to `capacity` peers nobody can dial (`--relay`), over mutual TLS with the run's
+        certificates (members only), and announce where."""
+        if self.record.reach != "direct":
+            log.warning(f"peer {self.name}: --relay: nobody else can dial this peer either, so it relays no one")
+            return
+        hub = RelayHub(self.options.host, self.options.announce_host, capacity, self.member.refusal)
+        self.relay_server, port = start_relay(hub, 0, self.member.server_credentials())
+        where = announce_address(self.options.host, port, self.options.announce_host)
+        self.announce(relay=where)
+        log.info(f"peer {self.name}: relaying up to {capacity} peers nobody can dial, at {where}")
 
     def take_state(self, stage: int) -> str:
         """Load the stage's newest state into the worker: this peer's checkpoint when it is newer than
@@ -356,9 +384,7 @@ def run_peer(options: PeerOptions) -> int:
     dht_host = host if host not in ("", "::") else "0.0.0.0"
     unreachable = behind_nat(options, dht_host)
     if unreachable:
-        log.info(
-            "nobody can dial this machine: its DHT node dials out only (client mode), its stage goes through a relay"
-        )
+        log.info("the coordinator cannot dial this machine: its DHT node dials out only (client mode)")
     run, initial_peers, dht, member = join_dht(
         options.coordinator,
         "peer",
@@ -388,6 +414,8 @@ def run_peer(options: PeerOptions) -> int:
             stage = pick_stage(stage_totals(view), counts, fits)
         peer.serve(stage)
         peer.check_reach()
+        if options.relay > 0:
+            peer.run_relay(options.relay)
         me = peer.record.public_name or peer.record.peer_id  # the dashboard's ?peer= takes either
         print(f"peer {me} online: {options.coordinator.rstrip('/')}/?{urlencode({'peer': me})}", flush=True)
         period = run.rebalance.period_s

@@ -151,6 +151,7 @@ class PeerOptions:
     public_name: str = ""  # '': the end of the peer id
     threads: int | None = None  # torch CPU threads (None: torch's choice)
     rebalance: bool = True  # move to the stage the swarm needs most
+    relay: int = 0  # relay this many peers that nobody can dial (swarm/relay.py; 0: none)
     checkpoint_dir: Path | None = None  # None: no checkpoints saved or loaded
     checkpoint_every: int = 50  # optimizer steps between checkpoints
     join_token: str | None = None  # the run's join token, asked of every call to this peer too

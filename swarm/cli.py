@@ -196,6 +196,7 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
         public_name=args.public_name,
         threads=args.threads,
         rebalance=not args.no_rebalance,
+        relay=args.relay,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         join_token=args.join_token,
@@ -607,6 +608,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="name shown on the dashboard (default: $SWARM_PUBLIC_NAME)",
     )
     peer.add_argument("--no-rebalance", action="store_true", help="stay on the first stage (never move)")
+    peer.add_argument(
+        "--relay",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="carry the traffic of up to N peers nobody can dial (behind home routers), when this one is reachable; "
+        "each gets a port of its own on --host (default 0: none)",
+    )
     # Faults for tests (peer/options.py: Faults), hidden from --help.
     peer.add_argument("--delay-per-sample", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
     peer.add_argument("--log-steps", type=Path, default=None, help=argparse.SUPPRESS)

@@ -104,6 +104,7 @@ class PeerRecord(BaseModel):
     moving_to: int | None = Field(None, ge=0)  # set while leaving this stage for another one
     dht_addrs: list[str] = Field(default_factory=list)  # its DHT node's multiaddrs: a restarted coordinator's way in
     reach: Reach = "unknown"  # whether the coordinator could dial it back, or it serves through a relay
+    relay: str = ""  # HOST:PORT of the relay it runs for peers nobody can dial ('': none; swarm/relay.py)
 
 
 class TrainerRecord(BaseModel):

@@ -31,6 +31,7 @@ from concurrent import futures
 
 import grpc
 
+from swarm.identity import Member
 from swarm.rpc import pb
 
 log = logging.getLogger(__name__)
@@ -124,14 +125,16 @@ class Conns:
 
 class RelayHub:
     """The relay's side: one listening port per attached peer, on `host`, announced as
-    `announce_host`:port. `admit(token)` raises on a token that may not attach (None: anyone)."""
+    `announce_host`:port. `admit(context)` says why a caller may not attach (None: it may; no
+    `admit`: anyone may): `bearer_admission` for the coordinator's relay, the run certificate's
+    `Member.refusal` for a peer's (served over mutual TLS)."""
 
     def __init__(
         self,
         host: str,
         announce_host: str | None = None,
         capacity: int = 32,
-        admit: Callable[[str], object] | None = None,
+        admit: Callable[[grpc.ServicerContext], str | None] | None = None,
     ):
         self.host, self.announce_host, self.capacity, self.admit = host, announce_host or host, capacity, admit
         self.attached: dict[str, str] = {}  # relayed address -> who attached (the peer's address seen)
@@ -146,12 +149,8 @@ class RelayHub:
         return grpc.method_handlers_generic_handler(SERVICE, {"Attach": method})
 
     def attach(self, requests: Iterator[pb.RelayFrame], context: grpc.ServicerContext) -> Iterator[pb.RelayFrame]:
-        if self.admit is not None:
-            scheme, _, token = dict(context.invocation_metadata()).get("authorization", "").partition(" ")
-            try:
-                self.admit(token if scheme == "Bearer" else "")
-            except Exception as err:  # the admission's own refusal, whatever its type: said as it is
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"this relay carries members of its run only: {err}")
+        if self.admit is not None and (refused := self.admit(context)) is not None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"this relay carries members of its run only: {refused}")
         listener = socket.create_server((self.host, 0))
         address = f"{self.announce_host}:{listener.getsockname()[1]}"
         with self.lock:
@@ -208,6 +207,20 @@ class RelayHub:
                 out.put_nowait(END)
 
 
+def bearer_admission(admit: Callable[[str], object]) -> Callable[[grpc.ServicerContext], str | None]:
+    """An admission by the bearer token a call carries: `admit(token)` raises to refuse it."""
+
+    def check(context: grpc.ServicerContext) -> str | None:
+        scheme, _, token = dict(context.invocation_metadata()).get("authorization", "").partition(" ")
+        try:
+            admit(token if scheme == "Bearer" else "")
+        except Exception as err:  # the admission's own refusal, whatever its type: said as it is
+            return str(err) or type(err).__name__
+        return None
+
+    return check
+
+
 def start_relay(
     hub: RelayHub, port: int = 0, credentials: grpc.ServerCredentials | None = None
 ) -> tuple[grpc.Server, int]:
@@ -223,18 +236,22 @@ def start_relay(
 
 
 class RelayLink:
-    """The relayed peer's side: a thread that keeps a stream open to one of `relays` (HOST:PORT, tried
-    in turn), connects each carried connection to `local` (this machine's stage service) and calls
-    `on_address(HOST:PORT)` each time a relay announces where the swarm reaches this peer."""
+    """The relayed peer's side: a thread that keeps a stream open to one of `relays` ((HOST:PORT, peer
+    id), tried in turn: a peer's relay, with a peer id, over mutual TLS as `member`; the coordinator's,
+    without, with the join token), connects each carried connection to `local` (this machine's stage
+    service) and calls `on_address(HOST:PORT)` each time a relay announces where the swarm reaches
+    this peer."""
 
     def __init__(
         self,
-        relays: Callable[[], list[str]],
+        relays: Callable[[], list[tuple[str, str | None]]],
         local: tuple[str, int],
         on_address: Callable[[str], None],
         join_token: str | None = None,
+        member: Member | None = None,
     ):
         self.relays, self.local, self.on_address, self.join_token = relays, local, on_address, join_token
+        self.member = member
         self.address: str | None = None
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="relay-link", daemon=True)
@@ -249,22 +266,29 @@ class RelayLink:
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
-            for relay in self.relays() or []:
+            for relay, peer_id in self.relays() or []:
                 if self.stop_event.is_set():
                     return
                 try:
-                    self._attach(relay)
+                    self._attach(relay, peer_id)
                 except grpc.RpcError as err:
                     log.warning(f"relay {relay}: {err.code().name}: {err.details()}")
                 except OSError as err:
                     log.warning(f"relay {relay}: {err}")
             self.stop_event.wait(RETRY_S)
 
-    def _attach(self, relay: str) -> None:
+    def _channel(self, relay: str, peer_id: str | None) -> grpc.Channel:
+        if peer_id is not None and self.member is not None:
+            credentials = self.member.channel_credentials()
+            return grpc.secure_channel(relay, credentials, options=self.member.target_options(peer_id))
+        return grpc.insecure_channel(relay)
+
+    def _attach(self, relay: str, peer_id: str | None) -> None:
         out: queue.Queue = queue.Queue(QUEUE_FRAMES)
         done, conns = threading.Event(), Conns()
-        metadata = [("authorization", f"Bearer {self.join_token}")] if self.join_token else None
-        with grpc.insecure_channel(relay) as channel:
+        token = self.join_token if peer_id is None else None  # a peer's relay knows members by certificate
+        metadata = [("authorization", f"Bearer {token}")] if token else None
+        with self._channel(relay, peer_id) as channel:
             call = channel.stream_stream(
                 ATTACH,
                 request_serializer=pb.RelayFrame.SerializeToString,

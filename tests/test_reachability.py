@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -85,21 +87,21 @@ class Emulated:
         self.url = wait_ready(proc, CoordinatorReady, timeout=60).url
         return self.url
 
-    def peer(self, name: str, stage: int) -> Proc:
+    def peer(self, name: str, stage: int, *extra: str) -> Proc:
         args = ["peer", "--coordinator", self.url, "--stage", str(stage), "--host", self.nodes[name].address]
-        args += ["--no-rebalance", "--threads", "1", "--public-name", name]
+        args += ["--no-rebalance", "--threads", "1", "--public-name", name, *extra]
         return self.start(name, args, env={"SWARM_CHECKPOINT_DIR": str(self.tmp / name)})
 
     def state(self, ok, timeout: float) -> dict:
         return wait_for_state(self.url, ok, timeout, get=self.nodes["trainer"].get_json)
 
-    def train(self, steps: int) -> list[dict]:
+    def train(self, steps: int, wait: bool = True) -> list[dict]:
         log = self.tmp / "train.jsonl"
-        trainer = self.start(
-            "trainer", ["train", "--coordinator", self.url, "--steps", str(steps), "--log-json", str(log)]
-        )
-        assert trainer.popen.wait(300) == 0, trainer.output()[-3000:]
-        return [json.loads(line) for line in log.read_text().splitlines()]
+        args = ["train", "--coordinator", self.url, "--steps", str(steps), "--log-json", str(log)]
+        trainer = self.start("trainer", [*args, "--call-timeout", "20"])
+        if wait:
+            assert trainer.popen.wait(300) == 0, trainer.output()[-3000:]
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
 def by_name(state: dict, field: str) -> dict:
@@ -147,5 +149,34 @@ def test_without_a_relay_a_peer_behind_a_home_router_is_told_what_to_forward_and
             assert [s["step"] for s in steps] == [0, 1, 2] and steps[-1]["failures"] == 0  # nobody called it
             state = swarm.state(lambda s: by_name(s, "samples_served")["p1"] > 0, 30)
             assert by_name(state, "samples_served")["home"] == 0
+        finally:
+            stop_all(swarm.procs)
+
+
+@needs_net
+def test_when_its_relay_dies_a_peer_behind_a_home_router_moves_to_another_and_the_run_goes_on(tmp_path: Path):
+    with Internet() as net:
+        swarm = Emulated(net, tmp_path, homes={"home", "trainer"}, names=("r1", "r2", "home"))
+        try:
+            swarm.coordinator("--relay-capacity", "0")  # only the peers relay
+            swarm.peer("r1", 0, "--relay", "2")
+            swarm.peer("r2", 0, "--relay", "2")
+            swarm.state(lambda s: all(by_name(s, "relay").get(n) for n in ("r1", "r2")), 120)
+            swarm.peer("home", 1)  # stage 1's only peer: the run stops unless it is reachable
+            state = swarm.state(lambda s: by_name(s, "reach").get("home") == "relayed", 120)
+            first = by_name(state, "address")["home"]
+            relay = next(n for n in ("r1", "r2") if first.startswith(swarm.nodes[n].address + ":"))
+            other = "r2" if relay == "r1" else "r1"
+            swarm.train(40, wait=False)
+            swarm.state(lambda s: by_name(s, "samples_served")["home"] > 0, 120)
+            swarm.procs[[p.log_path.stem for p in swarm.procs].index(relay)].stop(signal.SIGKILL)
+            killed = time.monotonic()
+            moved = lambda s: by_name(s, "address")["home"].startswith(swarm.nodes[other].address + ":")  # noqa: E731
+            swarm.state(moved, 30)
+            assert time.monotonic() - killed <= 30, "a dead relay is replaced within 30 s"
+            trainer = swarm.procs[-1]
+            assert trainer.popen.wait(400) == 0, trainer.output()[-3000:]
+            steps = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+            assert [s["step"] for s in steps] == list(range(40))
         finally:
             stop_all(swarm.procs)

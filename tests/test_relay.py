@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from swarm.config import load_config
-from swarm.relay import ATTACH, DECODE, ENCODE, RelayHub, RelayLink, start_relay, wait_address
+from swarm.relay import ATTACH, DECODE, ENCODE, RelayHub, RelayLink, bearer_admission, start_relay, wait_address
 from swarm.rpc import pb
 from tests.processes import member_client
 from tests.test_swarm import TINY, Swarm
@@ -71,7 +71,7 @@ def admit(token: str) -> None:
 
 @pytest.fixture
 def relay():
-    hub = RelayHub("127.0.0.1", capacity=1, admit=admit)
+    hub = RelayHub("127.0.0.1", capacity=1, admit=bearer_admission(admit))
     server, port = start_relay(hub)
     yield hub, f"127.0.0.1:{port}"
     server.stop(0)
@@ -81,7 +81,7 @@ def test_connections_to_a_relayed_port_reach_the_peer_byte_for_byte_several_at_o
     _, where = relay
     server, port = serve(echo)
     announced: list[str] = []
-    link = RelayLink(lambda: [where], ("127.0.0.1", port), announced.append, join_token="member").start()
+    link = RelayLink(lambda: [(where, None)], ("127.0.0.1", port), announced.append, join_token="member").start()
     try:
         address = wait_address(link, 10)
         assert address is not None and announced == [address] and address != where
@@ -114,7 +114,7 @@ def test_an_outsider_cannot_attach_and_a_full_relay_takes_nobody_more(relay):
         assert "members of its run only" in refused.details()
     assert hub.attached == {}  # nothing listens for the outsider
     server, port = serve(echo)
-    link = RelayLink(lambda: [where], ("127.0.0.1", port), lambda _: None, join_token="member").start()
+    link = RelayLink(lambda: [(where, None)], ("127.0.0.1", port), lambda _: None, join_token="member").start()
     try:
         assert wait_address(link, 10) is not None
         full = attach("member")
@@ -133,7 +133,7 @@ def test_a_stage_call_through_the_coordinators_relay_is_mutual_tls_end_to_end(tm
         record = next(p for s in state["stages"] for p in s["peers"] if p["public_name"] == "p")
         relay = httpx.get(f"{swarm.url}/api/v1/join").json()["relay"]
         host, _, port = record["address"].rpartition(":")
-        link = RelayLink(lambda: [relay], (host, int(port)), lambda _: None).start()
+        link = RelayLink(lambda: [(relay, None)], (host, int(port)), lambda _: None).start()
         seen = bytearray()  # every byte both ways between the trainer and the relay
 
         def record_proxy(conn: socket.socket) -> None:
