@@ -27,11 +27,17 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.children import Proc, stop_all
+from swarm.ready import CoordinatorReady, wait_ready
 
 PREFIX = "swnet"
 SUBNET = "10.213"  # a private range, only ever inside the namespaces made here
 BRIDGE = "br0"
+ROOT = Path(__file__).resolve().parent.parent  # the repository: where `python -m swarm.cli` runs
 _count = itertools.count()
 
 
@@ -190,3 +196,59 @@ class Internet:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NetSwarm:
+    """A run on an emulated internet: a coordinator, peers and a trainer, each `swarm` process on a
+    node of its own (`Internet.add`), logs in `tmp`. Reads the coordinator's state from the node
+    `reader` (the machine's own namespace cannot reach the nodes)."""
+
+    def __init__(self, net: Internet, tmp: Path, config: Path, nodes: dict[str, dict], reader: str = "trainer"):
+        """`nodes`: name -> `Internet.add` options; "coordinator" and `reader` among them."""
+        self.tmp, self.config, self.procs = tmp, config, []
+        self.nodes = {name: net.add(name, **options) for name, options in nodes.items()}
+        self.reader, self.url = reader, ""
+
+    def start(self, name: str, args: list[str], **options):
+        proc = Proc(args, self.tmp / f"{name}.log", cwd=ROOT, prefix=self.nodes[name].prefix(), **options)
+        self.procs.append(proc)
+        return proc
+
+    def coordinator(self, *extra: str) -> str:
+        host = self.nodes["coordinator"].address
+        args = ["coordinator", "--config", str(self.config), "--host", host, "--port", "8000", "--dht-port", "0"]
+        proc = self.start("coordinator", [*args, "--state-dir", str(self.tmp / "state"), *extra], ready=True)
+        self.url = wait_ready(proc, CoordinatorReady, timeout=60).url
+        return self.url
+
+    def peer(self, name: str, stage: int, *extra: str):
+        args = ["peer", "--coordinator", self.url, "--stage", str(stage), "--host", self.nodes[name].address]
+        args += ["--no-rebalance", "--threads", "1", "--public-name", name, *extra]
+        return self.start(name, args, env={"SWARM_CHECKPOINT_DIR": str(self.tmp / name)})
+
+    def train(self, steps: int, *extra: str, wait: bool = True, timeout: float = 300) -> list[dict]:
+        log = self.tmp / "train.jsonl"
+        args = ["train", "--coordinator", self.url, "--steps", str(steps), "--log-json", str(log)]
+        trainer = self.start(self.reader, [*args, "--call-timeout", "20", *extra])
+        if wait and trainer.popen.wait(timeout) != 0:
+            raise NetError(f"the trainer failed: {trainer.output()[-3000:]}")
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def state(self, ok, timeout: float) -> dict:
+        """The coordinator's /api/v1/state once `ok` says so."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.nodes[self.reader].get_json(f"{self.url}/api/v1/state")
+            if ok(state):
+                return state
+            if time.monotonic() > deadline:
+                raise AssertionError(f"/api/v1/state did not reach the expected state within {timeout} s: {state}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        stop_all(self.procs)
+
+
+def by_name(state: dict, field: str) -> dict:
+    """Each peer's `field` in a coordinator state, by public name."""
+    return {p["public_name"]: p[field] for s in state["stages"] for p in s["peers"]}

@@ -7,17 +7,13 @@ skip, saying which is missing, where a network namespace cannot be made.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.net import PREFIX, Internet, namespaces, sh, unavailable
-from swarm.children import Proc, stop_all
-from swarm.ready import CoordinatorReady, wait_ready
-from tests.processes import ROOT
+from benchmarks.net import PREFIX, Internet, NetSwarm, by_name, namespaces, sh, unavailable
 from tests.test_swarm import TINY
 
 WHY = unavailable()
@@ -107,43 +103,15 @@ def test_bad_nodes_are_refused_with_the_reason():
 
 def test_a_swarm_trains_with_every_process_on_a_node_of_its_own(tmp_path: Path):
     with Internet() as net:
-        nodes = {name: net.add(name, up_mbit=200, down_mbit=200) for name in ("coordinator", "p0", "p1", "trainer")}
-        procs: list[Proc] = []
+        nodes = {name: {"up_mbit": 200, "down_mbit": 200} for name in ("coordinator", "p0", "p1", "trainer")}
+        swarm = NetSwarm(net, tmp_path, TINY, nodes)
         try:
-            coordinator = Proc(
-                ["coordinator", "--config", str(TINY), "--host", nodes["coordinator"].address, "--port", "8000"]
-                + ["--dht-port", "0", "--state-dir", str(tmp_path / "state")],
-                tmp_path / "coordinator.log",
-                ready=True,
-                cwd=ROOT,
-                prefix=nodes["coordinator"].prefix(),
-            )
-            procs.append(coordinator)
-            url = wait_ready(coordinator, CoordinatorReady, timeout=60).url
-            assert url == f"http://{nodes['coordinator'].address}:8000"
-            for stage, name in enumerate(("p0", "p1")):
-                procs.append(
-                    Proc(
-                        ["peer", "--coordinator", url, "--stage", str(stage), "--host", nodes[name].address]
-                        + ["--no-rebalance", "--threads", "1", "--public-name", name],
-                        tmp_path / f"{name}.log",
-                        cwd=ROOT,
-                        prefix=nodes[name].prefix(),
-                        env={"SWARM_CHECKPOINT_DIR": str(tmp_path / name)},
-                    )
-                )
-            log = tmp_path / "train.jsonl"
-            trainer = Proc(
-                ["train", "--coordinator", url, "--steps", "4", "--log-json", str(log), "--call-timeout", "20"],
-                tmp_path / "trainer.log",
-                cwd=ROOT,
-                prefix=nodes["trainer"].prefix(),
-            )
-            procs.append(trainer)
-            assert trainer.popen.wait(300) == 0, trainer.output()[-3000:]
-            steps = [json.loads(line) for line in log.read_text().splitlines()]
+            assert swarm.coordinator() == f"http://{swarm.nodes['coordinator'].address}:8000"
+            swarm.peer("p0", 0)
+            swarm.peer("p1", 1)
+            steps = swarm.train(4)
             assert [s["step"] for s in steps] == list(range(4)), steps
-            for name in ("p0", "p1"):
-                assert nodes[name].address in Path(tmp_path / f"{name}.log").read_text()
+            state = swarm.state(lambda s: len(by_name(s, "address")) == 2, 30)
+            assert by_name(state, "address")["p1"].startswith(swarm.nodes["p1"].address + ":")
         finally:
-            stop_all(procs)
+            swarm.close()

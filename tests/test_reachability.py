@@ -17,10 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.net import Internet, unavailable
-from swarm.children import Proc, stop_all
-from swarm.ready import CoordinatorReady, wait_ready
-from tests.processes import ROOT, wait_for_state
+from benchmarks.net import Internet, NetSwarm, by_name, unavailable
 from tests.test_speedtest import TOKEN, coordinator  # noqa: F401 (a fixture)
 from tests.test_swarm import TINY
 
@@ -68,50 +65,17 @@ NO_NET = unavailable()
 needs_net = pytest.mark.skipif(NO_NET is not None, reason=f"no emulated internet here: {NO_NET}")
 
 
-class Emulated:
-    """A coordinator, peers and a trainer, each on a node of its own of an emulated internet."""
-
-    def __init__(self, net: Internet, tmp: Path, homes: set[str], names: tuple[str, ...]):
-        self.tmp, self.procs = tmp, []
-        self.nodes = {name: net.add(name, home=name in homes) for name in ("coordinator", "trainer", *names)}
-
-    def start(self, name: str, args: list[str], **options) -> Proc:
-        proc = Proc(args, self.tmp / f"{name}.log", cwd=ROOT, prefix=self.nodes[name].prefix(), **options)
-        self.procs.append(proc)
-        return proc
-
-    def coordinator(self, *extra: str) -> str:
-        host = self.nodes["coordinator"].address
-        args = ["coordinator", "--config", str(TINY), "--host", host, "--port", "8000", "--dht-port", "0"]
-        proc = self.start("coordinator", [*args, "--state-dir", str(self.tmp / "state"), *extra], ready=True)
-        self.url = wait_ready(proc, CoordinatorReady, timeout=60).url
-        return self.url
-
-    def peer(self, name: str, stage: int, *extra: str) -> Proc:
-        args = ["peer", "--coordinator", self.url, "--stage", str(stage), "--host", self.nodes[name].address]
-        args += ["--no-rebalance", "--threads", "1", "--public-name", name, *extra]
-        return self.start(name, args, env={"SWARM_CHECKPOINT_DIR": str(self.tmp / name)})
-
-    def state(self, ok, timeout: float) -> dict:
-        return wait_for_state(self.url, ok, timeout, get=self.nodes["trainer"].get_json)
-
-    def train(self, steps: int, wait: bool = True) -> list[dict]:
-        log = self.tmp / "train.jsonl"
-        args = ["train", "--coordinator", self.url, "--steps", str(steps), "--log-json", str(log)]
-        trainer = self.start("trainer", [*args, "--call-timeout", "20"])
-        if wait:
-            assert trainer.popen.wait(300) == 0, trainer.output()[-3000:]
-        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
-
-def by_name(state: dict, field: str) -> dict:
-    return {p["public_name"]: p[field] for s in state["stages"] for p in s["peers"]}
+def emulated(net: Internet, tmp: Path, homes: set[str], names: tuple[str, ...]) -> NetSwarm:
+    """A tiny.toml run: a coordinator, `names` peers and a trainer on nodes of their own; `homes` take
+    no connection in."""
+    nodes = {name: {"home": name in homes} for name in ("coordinator", "trainer", *names)}
+    return NetSwarm(net, tmp, TINY, nodes)
 
 
 @needs_net
 def test_a_peer_behind_a_home_router_serves_through_the_relay_and_averages_with_a_public_replica(tmp_path: Path):
     with Internet() as net:
-        swarm = Emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home"))
+        swarm = emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home"))
         try:
             swarm.coordinator()
             for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
@@ -129,13 +93,13 @@ def test_a_peer_behind_a_home_router_serves_through_the_relay_and_averages_with_
             # Its stage's gradients were averaged with the public replica's, home's DHT dialling out only.
             assert re.search(r"stage 1 step \d+: \d+ samples, averaged in a group of 2", said), said[-3000:]
         finally:
-            stop_all(swarm.procs)
+            swarm.close()
 
 
 @needs_net
 def test_without_a_relay_a_peer_behind_a_home_router_is_told_what_to_forward_and_gets_no_work(tmp_path: Path):
     with Internet() as net:
-        swarm = Emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home"))
+        swarm = emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home"))
         try:
             swarm.coordinator("--relay-capacity", "0")
             for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
@@ -150,13 +114,13 @@ def test_without_a_relay_a_peer_behind_a_home_router_is_told_what_to_forward_and
             state = swarm.state(lambda s: by_name(s, "samples_served")["p1"] > 0, 30)
             assert by_name(state, "samples_served")["home"] == 0
         finally:
-            stop_all(swarm.procs)
+            swarm.close()
 
 
 @needs_net
 def test_when_its_relay_dies_a_peer_behind_a_home_router_moves_to_another_and_the_run_goes_on(tmp_path: Path):
     with Internet() as net:
-        swarm = Emulated(net, tmp_path, homes={"home", "trainer"}, names=("r1", "r2", "home"))
+        swarm = emulated(net, tmp_path, homes={"home", "trainer"}, names=("r1", "r2", "home"))
         try:
             swarm.coordinator("--relay-capacity", "0")  # only the peers relay
             swarm.peer("r1", 0, "--relay", "2")
@@ -179,4 +143,4 @@ def test_when_its_relay_dies_a_peer_behind_a_home_router_moves_to_another_and_th
             steps = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
             assert [s["step"] for s in steps] == list(range(40))
         finally:
-            stop_all(swarm.procs)
+            swarm.close()
