@@ -26,6 +26,7 @@ BENCHMARKS = {
     "trainers": "one vs two trainers on one swarm, disjoint shards: samples/s",
     "scale": "real model sizes: reference trainer vs a 2-stage swarm, tokens/s, MFU, peak memory, loss",
     "verify": "spot checks: a liar's effect on loss, and the checks' overhead",
+    "wan": "2 x 2 swarm on an emulated internet at 1000/100/20 Mbit/s, and relayed vs direct",
     "wire": "Forward and Backward round trips, ours vs hivemind RemoteExpert",
 }
 

@@ -232,6 +232,11 @@ class NetSwarm:
         trainer = self.start(self.reader, [*args, "--call-timeout", "20", *extra])
         if wait and trainer.popen.wait(timeout) != 0:
             raise NetError(f"the trainer failed: {trainer.output()[-3000:]}")
+        return self.steps()
+
+    def steps(self) -> list[dict]:
+        """The trainer's step log so far."""
+        log = self.tmp / "train.jsonl"
         return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
     def state(self, ok, timeout: float) -> dict:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from benchmarks.__main__ import BENCHMARKS
+from benchmarks.net import unavailable
 from benchmarks.wire import TLS_SECTION
 from tests.conftest import ROOT
 
@@ -42,6 +43,7 @@ TINY = {
     "simulate": ["--peers", "40", "--minutes", "4", "--policies", "swarm,static"],
     "trainers": ["--steps", "12", "--warmup", "1", "--delays", "0.005,0.01", "--timeout-s", "240", *LOGS],
     "verify": ["--steps", "3", "--repeat", "0", "--tail", "2", *LOGS],
+    "wan": ["--config", "configs/tiny.toml", "--mbit", "100", "--steps", "3", "--warmup", "1"],
     "wire": ["--reps", "2", "--warmup", "1", "--codecs", "bf16", "--modules", "noop", "--batch", "2"],
 }
 
@@ -60,6 +62,7 @@ ORDER = [
         "failover",
         "chaos",
         "averaging",
+        "wan",
         "trainers",
         "rebalance",
         "pipeline",
@@ -102,6 +105,8 @@ def test_every_benchmark_has_a_smoke_run_in_the_order():
 def test_benchmark_runs_at_a_tiny_size_and_writes_a_row_elsewhere(name, smoke_runs):
     before, futures = smoke_runs
     done, results = futures[name].result()
+    if name == "wan" and (why := unavailable()) is not None:
+        pytest.skip(f"no emulated internet here: {why}")
     assert done.returncode == 0, f"python -m benchmarks {name} exited {done.returncode}:\n{done.stderr[-3000:]}"
     rows = [line for line in results.read_text().splitlines() if line.startswith(ROW_START)]
     assert rows, f"no row in {results}:\n{results.read_text()}"

@@ -1,0 +1,107 @@
+"""`python -m benchmarks wan`: a swarm on an emulated internet (benchmarks/net.py), at home bandwidths.
+
+For each bandwidth in `--mbit`, a fresh emulated internet: a coordinator, 2 stages x 2 peers and a
+trainer, each on a node of its own whose link carries that many Mbit/s each way (tc tbf; no added
+latency: this kernel has no netem). The trainer runs `--steps` steps; tokens/s is taken over the
+steps after `--warmup` (from the trainer's step log). Then, at `--relay-mbit`, the same swarm with
+one peer of each stage behind a home router (no connection in), relayed through the coordinator:
+relayed ÷ direct tokens/s at equal bandwidth (goal >= 0.8), and the seconds from a relayed peer's
+start until it had served a microbatch (from the coordinator's state, read every 0.2 s).
+
+Needs root, iproute2 and nftables (tests/install-tools.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.net import Internet, NetSwarm, by_name, unavailable
+from benchmarks.results import append_row
+from swarm.config import load_config
+
+SECTION = "wan: 2 stages x 2 peers on an emulated internet, every node at the same bandwidth"
+PEERS = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
+HOMES = {"b0", "b1"}  # behind home routers in the relayed run
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/small.toml")
+    p.add_argument("--mbit", default="1000,100,20", help="bandwidths, Mbit/s each way per node, comma-separated")
+    p.add_argument("--relay-mbit", type=float, default=100.0, help="bandwidth of the relayed vs direct comparison")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="steps excluded from tokens/s")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+
+
+def tokens_per_s(steps: list[dict], warmup: int, config) -> float:
+    """Tokens/s over the steps after `warmup` (elapsed_s is the trainer's clock at each step's end)."""
+    done = steps[warmup:]
+    if len(done) < 2:
+        raise SystemExit(f"wan: only {len(steps)} steps logged; raise --steps above --warmup + 1")
+    seconds = done[-1]["elapsed_s"] - steps[warmup - 1]["elapsed_s"] if warmup else done[-1]["elapsed_s"]
+    return len(done) * config.training.global_batch * config.model.seq_len / seconds
+
+
+def one_run(config_path: Path, mbit: float, homes: set[str], steps: int, timeout: float) -> tuple[list[dict], float]:
+    """A run at `mbit`; its step log and the seconds until every peer in `homes` served (0: none)."""
+    with Internet() as net, tempfile.TemporaryDirectory(prefix="swarm-wan-") as tmp:
+        names = ("coordinator", "trainer", *PEERS)
+        nodes = {n: {"up_mbit": mbit, "down_mbit": mbit, "home": n in homes} for n in names}
+        swarm = NetSwarm(net, Path(tmp), config_path, nodes)
+        try:
+            swarm.coordinator()
+            started = time.monotonic()
+            for name, stage in PEERS.items():
+                swarm.peer(name, stage)
+            swarm.state(
+                lambda s: len(by_name(s, "state")) == 4 and set(by_name(s, "state").values()) == {"online"}, 300
+            )
+            if homes:
+                swarm.state(lambda s: all(by_name(s, "reach").get(n) == "relayed" for n in homes), 120)
+            swarm.train(steps, wait=False)
+            first_served = 0.0
+            if homes:
+                swarm.state(lambda s: all(by_name(s, "samples_served").get(n, 0) > 0 for n in homes), timeout)
+                first_served = time.monotonic() - started
+            trainer = swarm.procs[-1]
+            if trainer.popen.wait(timeout) != 0:
+                raise SystemExit(f"wan: the trainer failed at {mbit} Mbit/s: {trainer.output()[-2000:]}")
+            return swarm.steps(), first_served
+        finally:
+            swarm.close()
+
+
+COLUMNS = ["config", "Mbit/s per node", "peers", "steps", "tokens/s", "relayed ÷ direct", "s to first relayed", "notes"]
+NOTE = "no added latency (no netem); tokens/s after the warm-up steps"
+
+
+def run(args: argparse.Namespace) -> str:
+    if (why := unavailable()) is not None:
+        raise SystemExit(f"wan: no emulated internet here: {why}")
+    config = load_config(args.config)
+    rates: dict[float, float] = {}
+
+    def measure(mbit: float, homes: set[str]) -> tuple[float, float]:
+        steps, first = one_run(Path(args.config), mbit, homes, args.steps, args.timeout_s)
+        return tokens_per_s(steps, args.warmup, config), first
+
+    for mbit in [float(x) for x in args.mbit.split(",")]:
+        rates[mbit], _ = measure(mbit, set())
+        print(f"{mbit:g} Mbit/s, direct: {rates[mbit]:,.0f} tokens/s", flush=True)
+        append_row(
+            SECTION, COLUMNS, [args.config, f"{mbit:g}", "all direct", args.steps, f"{rates[mbit]:.0f}", "", "", NOTE]
+        )
+    mbit = args.relay_mbit
+    if mbit not in rates:
+        rates[mbit], _ = measure(mbit, set())
+    relayed, first = measure(mbit, HOMES)
+    ratio = relayed / rates[mbit]
+    print(f"{mbit:g} Mbit/s, {', '.join(sorted(HOMES))} relayed: {relayed:,.0f} tokens/s, {ratio:.2f} of direct; "
+          f"they served their first microbatch {first:.1f} s after they started", flush=True)  # fmt: skip
+    verdict = "met" if ratio >= 0.8 else "NOT met"
+    note = f"goal relayed ÷ direct >= 0.8: {verdict}; b0, b1 behind home routers, relayed by the coordinator; {NOTE}"
+    values = [args.config, f"{mbit:g}", "b0, b1 relayed", args.steps, f"{relayed:.0f}", f"{ratio:.2f}", f"{first:.1f}"]
+    return append_row(SECTION, COLUMNS, [*values, note])
