@@ -253,6 +253,12 @@ class NetSwarm:
     def close(self) -> None:
         stop_all(self.procs)
 
+    def __enter__(self) -> NetSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def by_name(state: dict, field: str) -> dict:
     """Each peer's `field` in a coordinator state, by public name."""

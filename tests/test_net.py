@@ -104,8 +104,7 @@ def test_bad_nodes_are_refused_with_the_reason():
 def test_a_swarm_trains_with_every_process_on_a_node_of_its_own(tmp_path: Path):
     with Internet() as net:
         nodes = {name: {"up_mbit": 200, "down_mbit": 200} for name in ("coordinator", "p0", "p1", "trainer")}
-        swarm = NetSwarm(net, tmp_path, TINY, nodes)
-        try:
+        with NetSwarm(net, tmp_path, TINY, nodes) as swarm:
             assert swarm.coordinator() == f"http://{swarm.nodes['coordinator'].address}:8000"
             swarm.peer("p0", 0)
             swarm.peer("p1", 1)
@@ -113,5 +112,3 @@ def test_a_swarm_trains_with_every_process_on_a_node_of_its_own(tmp_path: Path):
             assert [s["step"] for s in steps] == list(range(4)), steps
             state = swarm.state(lambda s: len(by_name(s, "address")) == 2, 30)
             assert by_name(state, "address")["p1"].startswith(swarm.nodes["p1"].address + ":")
-        finally:
-            swarm.close()

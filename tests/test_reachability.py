@@ -72,75 +72,66 @@ def emulated(net: Internet, tmp: Path, homes: set[str], names: tuple[str, ...]) 
     return NetSwarm(net, tmp, TINY, nodes)
 
 
+def reported(count: int):
+    """Whether a state lists `count` peers, each with its reachability known."""
+    return lambda s: len(by_name(s, "reach")) == count and "unknown" not in by_name(s, "reach").values()
+
+
 @needs_net
 def test_a_peer_behind_a_home_router_serves_through_the_relay_and_averages_with_a_public_replica(tmp_path: Path):
-    with Internet() as net:
-        swarm = emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home"))
-        try:
-            swarm.coordinator()
-            for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
-                swarm.peer(name, stage)
-            known = lambda s: len(by_name(s, "reach")) == 3 and "unknown" not in by_name(s, "reach").values()  # noqa: E731
-            state = swarm.state(known, 120)
-            assert by_name(state, "reach") == {"p0": "direct", "p1": "direct", "home": "relayed"}
-            relayed = by_name(state, "address")["home"]
-            assert relayed.startswith(swarm.nodes["coordinator"].address + ":"), relayed
-            steps = swarm.train(4)  # a trainer behind a home router too: everyone dials out
-            assert [s["step"] for s in steps] == [0, 1, 2, 3]
-            state = swarm.state(lambda s: by_name(s, "samples_served")["home"] > 0, 30)
-            said = (tmp_path / "home.log").read_text()
-            assert "its DHT node dials out only (client mode)" in said
-            # Its stage's gradients were averaged with the public replica's, home's DHT dialling out only.
-            assert re.search(r"stage 1 step \d+: \d+ samples, averaged in a group of 2", said), said[-3000:]
-        finally:
-            swarm.close()
+    with Internet() as net, emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home")) as swarm:
+        swarm.coordinator()
+        for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
+            swarm.peer(name, stage)
+        state = swarm.state(reported(3), 120)
+        assert by_name(state, "reach") == {"p0": "direct", "p1": "direct", "home": "relayed"}
+        relayed = by_name(state, "address")["home"]
+        assert relayed.startswith(swarm.nodes["coordinator"].address + ":"), relayed
+        steps = swarm.train(4)  # a trainer behind a home router too: everyone dials out
+        assert [s["step"] for s in steps] == [0, 1, 2, 3]
+        state = swarm.state(lambda s: by_name(s, "samples_served")["home"] > 0, 30)
+        said = (tmp_path / "home.log").read_text()
+        assert "its DHT node dials out only (client mode)" in said
+        # Its stage's gradients were averaged with the public replica's, home's DHT dialling out only.
+        assert re.search(r"stage 1 step \d+: \d+ samples, averaged in a group of 2", said), said[-3000:]
 
 
 @needs_net
 def test_without_a_relay_a_peer_behind_a_home_router_is_told_what_to_forward_and_gets_no_work(tmp_path: Path):
-    with Internet() as net:
-        swarm = emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home"))
-        try:
-            swarm.coordinator("--relay-capacity", "0")
-            for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
-                swarm.peer(name, stage)
-            known = lambda s: len(by_name(s, "reach")) == 3 and "unknown" not in by_name(s, "reach").values()  # noqa: E731
-            state = swarm.state(known, 120)
-            assert by_name(state, "reach") == {"p0": "direct", "p1": "direct", "home": "unreachable"}
-            said = (tmp_path / "home.log").read_text()
-            assert "UNREACHABLE" in said and re.search(r"forward TCP ports \d+ \(stage\) and \d+ \(DHT\)", said), said
-            steps = swarm.train(3)
-            assert [s["step"] for s in steps] == [0, 1, 2] and steps[-1]["failures"] == 0  # nobody called it
-            state = swarm.state(lambda s: by_name(s, "samples_served")["p1"] > 0, 30)
-            assert by_name(state, "samples_served")["home"] == 0
-        finally:
-            swarm.close()
+    with Internet() as net, emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home")) as swarm:
+        swarm.coordinator("--relay-capacity", "0")
+        for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
+            swarm.peer(name, stage)
+        state = swarm.state(reported(3), 120)
+        assert by_name(state, "reach") == {"p0": "direct", "p1": "direct", "home": "unreachable"}
+        said = (tmp_path / "home.log").read_text()
+        assert "UNREACHABLE" in said and re.search(r"forward TCP ports \d+ \(stage\) and \d+ \(DHT\)", said), said
+        steps = swarm.train(3)
+        assert [s["step"] for s in steps] == [0, 1, 2] and steps[-1]["failures"] == 0  # nobody called it
+        state = swarm.state(lambda s: by_name(s, "samples_served")["p1"] > 0, 30)
+        assert by_name(state, "samples_served")["home"] == 0
 
 
 @needs_net
 def test_when_its_relay_dies_a_peer_behind_a_home_router_moves_to_another_and_the_run_goes_on(tmp_path: Path):
-    with Internet() as net:
-        swarm = emulated(net, tmp_path, homes={"home", "trainer"}, names=("r1", "r2", "home"))
-        try:
-            swarm.coordinator("--relay-capacity", "0")  # only the peers relay
-            swarm.peer("r1", 0, "--relay", "2")
-            swarm.peer("r2", 0, "--relay", "2")
-            swarm.state(lambda s: all(by_name(s, "relay").get(n) for n in ("r1", "r2")), 120)
-            swarm.peer("home", 1)  # stage 1's only peer: the run stops unless it is reachable
-            state = swarm.state(lambda s: by_name(s, "reach").get("home") == "relayed", 120)
-            first = by_name(state, "address")["home"]
-            relay = next(n for n in ("r1", "r2") if first.startswith(swarm.nodes[n].address + ":"))
-            other = "r2" if relay == "r1" else "r1"
-            swarm.train(40, wait=False)
-            swarm.state(lambda s: by_name(s, "samples_served")["home"] > 0, 120)
-            swarm.procs[[p.log_path.stem for p in swarm.procs].index(relay)].stop(signal.SIGKILL)
-            killed = time.monotonic()
-            moved = lambda s: by_name(s, "address")["home"].startswith(swarm.nodes[other].address + ":")  # noqa: E731
-            swarm.state(moved, 30)
-            assert time.monotonic() - killed <= 30, "a dead relay is replaced within 30 s"
-            trainer = swarm.procs[-1]
-            assert trainer.popen.wait(400) == 0, trainer.output()[-3000:]
-            steps = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
-            assert [s["step"] for s in steps] == list(range(40))
-        finally:
-            swarm.close()
+    with Internet() as net, emulated(net, tmp_path, homes={"home", "trainer"}, names=("r1", "r2", "home")) as swarm:
+        swarm.coordinator("--relay-capacity", "0")  # only the peers relay
+        swarm.peer("r1", 0, "--relay", "2")
+        swarm.peer("r2", 0, "--relay", "2")
+        swarm.state(lambda s: all(by_name(s, "relay").get(n) for n in ("r1", "r2")), 120)
+        swarm.peer("home", 1)  # stage 1's only peer: the run stops unless it is reachable
+        state = swarm.state(lambda s: by_name(s, "reach").get("home") == "relayed", 120)
+        first = by_name(state, "address")["home"]
+        relay = next(n for n in ("r1", "r2") if first.startswith(swarm.nodes[n].address + ":"))
+        other = "r2" if relay == "r1" else "r1"
+        swarm.train(40, wait=False)
+        swarm.state(lambda s: by_name(s, "samples_served")["home"] > 0, 120)
+        swarm.procs[[p.log_path.stem for p in swarm.procs].index(relay)].stop(signal.SIGKILL)
+        killed = time.monotonic()
+        moved = lambda s: by_name(s, "address")["home"].startswith(swarm.nodes[other].address + ":")  # noqa: E731
+        swarm.state(moved, 30)
+        assert time.monotonic() - killed <= 30, "a dead relay is replaced within 30 s"
+        trainer = swarm.procs[-1]
+        assert trainer.popen.wait(400) == 0, trainer.output()[-3000:]
+        steps = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in steps] == list(range(40))
