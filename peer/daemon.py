@@ -342,14 +342,14 @@ def behind_nat(options: PeerOptions, host: str) -> bool:
     sockets standing in for the stage service and the DHT node (on their ports when fixed), so that a
     peer behind a router starts its DHT node in client mode (hivemind's: it dials out only, and no one
     waits on it) and its gradient averager with it. False when the coordinator cannot say."""
-    with socket.create_server((host, options.port)) as stage, socket.create_server((host, options.dht_port)) as dht:
-        announced = announce_address(host, stage.getsockname()[1], options.announce_host)
-        name, dht_port = announced.rpartition(":")[0], dht.getsockname()[1]
-        maddr = f"/ip6/{name.strip('[]')}/tcp/{dht_port}" if ":" in name else f"/ip4/{name}/tcp/{dht_port}"
-        try:
+    try:
+        with socket.create_server((host, options.port)) as stage, socket.create_server((host, options.dht_port)) as dht:
+            announced = announce_address(host, stage.getsockname()[1], options.announce_host)
+            name, dht_port = announced.rpartition(":")[0], dht.getsockname()[1]
+            maddr = f"/ip6/{name.strip('[]')}/tcp/{dht_port}" if ":" in name else f"/ip4/{name}/tcp/{dht_port}"
             found = dial_back(options.coordinator, options.join_token, announced, [maddr], timeout=15)
-        except ConfigError:
-            return False
+    except (OSError, ConfigError):  # a port taken, a coordinator not up: the start says so itself, later
+        return False
     return found.get("reach") == "unreachable"
 
 
