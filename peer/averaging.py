@@ -358,8 +358,10 @@ class PartnerWatch:
     WATCH_PERIOD_S = 0.5
     ALONE_PERIOD_S = 0.05  # with nobody to average with, any round is cancelled about this fast
 
-    def __init__(self, opt: hivemind.Optimizer, partners: set[bytes]):
+    def __init__(self, opt: hivemind.Optimizer, partners: dict[bytes, bool]):
+        """`partners`: peer id -> whether it is in client mode (`live_partners`)."""
         self.opt, self.partners = opt, partners
+        self.pingable = [p for p, client in partners.items() if not client]
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="partner-watch", daemon=True)
 
@@ -375,7 +377,9 @@ class PartnerWatch:
         alone = not self.partners
         while not self.stop.wait(self.ALONE_PERIOD_S if alone else self.WATCH_PERIOD_S):
             if not alone:
-                alone = not live_partners(self.opt)
+                # Those behind a router cannot be pinged: a round with them ends by hivemind's timeout.
+                answered = answering(self.opt.dht, self.pingable, timeout=PING_TIMEOUT_S)
+                alone = not answered and (self.opt.client_mode or len(self.pingable) == len(self.partners))
                 if alone:
                     log.warning("the replicas this step averages with stopped answering: it goes on alone")
             control = self.opt.scheduled_grads
@@ -400,15 +404,19 @@ def tracked_partners(opt: hivemind.Optimizer) -> dict[bytes, dict]:
     return partners
 
 
-def live_partners(opt: hivemind.Optimizer) -> set[bytes]:
-    """The replicas this one can average with now: those that answer a ping, and those behind a
-    router (client mode: nobody can ping them, they dial the group's leader) while their progress
-    report is fresh; these only when some replica can lead a group (one not in client mode)."""
+def live_partners(opt: hivemind.Optimizer) -> dict[bytes, bool]:
+    """The replicas this one can average with now (peer id -> whether it is in client mode): those
+    that answer a ping, and those behind a router (client mode: nobody can ping them, they dial the
+    group's leader) while their progress report is fresh; these only when some replica can lead a
+    group (one not in client mode)."""
     reports = tracked_partners(opt)
-    alive = answering(opt.dht, [p for p, r in reports.items() if not r.get("client_mode")], timeout=PING_TIMEOUT_S)
+    pingable = [p for p, r in reports.items() if not r.get("client_mode")]
+    alive = dict.fromkeys(answering(opt.dht, pingable, timeout=PING_TIMEOUT_S), False)
     if alive or not opt.client_mode:
         now = get_dht_time()
-        alive |= {p for p, r in reports.items() if r.get("client_mode") and now - float(r.get("time") or 0) <= TTL_S}
+        for p, r in reports.items():
+            if r.get("client_mode") and now - float(r.get("time") or 0) <= TTL_S:
+                alive[p] = True
     return alive
 
 
