@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -349,45 +350,67 @@ class NormExchange:
 
 
 class PartnerWatch:
-    """While a step runs, pings the replicas it averages with every WATCH_PERIOD_S; once none
-    answers (or when there were none to begin with), cancels any averaging round, and hivemind
-    applies this replica's own gradient. A replica that dies in the middle of a round otherwise holds
-    the others until averaging_timeout_s, and hivemind may start a round with a dead replica that
-    its tracker still lists."""
+    """While a step's all-reduce runs, pings the replicas it averages with every WATCH_PERIOD_S and
+    cancels the round (hivemind then applies this replica's own gradient) once none answers, or once
+    it has run longer than `stall_s`. A replica that dies in the middle of a round otherwise holds the
+    others until averaging_timeout_s, and hivemind may start a round with a dead replica that its
+    tracker still lists; a round can also stall with every partner alive (matchmaking around a replica
+    that just joined). A replica that steps after a cancelled round may disagree with the others: the
+    weights digests settle it (ReplicaCheck).
+
+    A step that began with no partner is left alone: SwarmUpdater tells hivemind's tracker so, and
+    hivemind then begins no round and cancels its pre-scheduled one itself (a second cancel from this
+    thread raced with it and raised inside hivemind's step)."""
 
     WATCH_PERIOD_S = 0.5
-    ALONE_PERIOD_S = 0.05  # with nobody to average with, any round is cancelled about this fast
 
-    def __init__(self, opt: hivemind.Optimizer, partners: dict[bytes, bool]):
-        """`partners`: peer id -> whether it is in client mode (`live_partners`)."""
-        self.opt, self.partners = opt, partners
+    def __init__(self, opt: hivemind.Optimizer, partners: dict[bytes, bool], stall_s: float | None = None):
+        """`partners`: peer id -> whether it is in client mode (`live_partners`); `stall_s`: the
+        longest a round may run (None: up to hivemind's averaging_timeout_s)."""
+        self.opt, self.partners, self.stall_s = opt, partners, stall_s
         self.pingable = [p for p, client in partners.items() if not client]
+        self.cancelled: str | None = None  # why this watch cancelled the round, if it did
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="partner-watch", daemon=True)
 
     def __enter__(self) -> PartnerWatch:
-        self.thread.start()
+        if self.partners:
+            self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
-        self.thread.join(PING_TIMEOUT_S + 1)
+        if self.thread.is_alive():
+            self.thread.join(PING_TIMEOUT_S + 1)
 
     def _watch(self) -> None:
-        alone = not self.partners
-        while not self.stop.wait(self.ALONE_PERIOD_S if alone else self.WATCH_PERIOD_S):
+        started, alone = time.monotonic(), False
+        while not self.stop.wait(self.WATCH_PERIOD_S) and self.cancelled is None:
             if not alone:
                 # Those behind a router cannot be pinged: a round with them ends by hivemind's timeout.
                 answered = answering(self.opt.dht, self.pingable, timeout=PING_TIMEOUT_S)
                 alone = not answered and (self.opt.client_mode or len(self.pingable) == len(self.partners))
-                if alone:
-                    log.warning("the replicas this step averages with stopped answering: it goes on alone")
+            stalled = self.stall_s is not None and time.monotonic() - started > self.stall_s
             control = self.opt.scheduled_grads
-            # Only a round that began: hivemind cancels one it did not begin itself, and a second
-            # cancel raises inside its step.
-            if alone and control is not None and control.triggered and not control.done() and not self.stop.is_set():
-                with contextlib.suppress(InvalidStateError):  # it finished meanwhile
-                    control.cancel()
+            # Only a round that began: hivemind cancels one it did not begin itself.
+            if not (alone or stalled) or control is None or not control.triggered or control.done():
+                continue
+            if self.stop.is_set():
+                return
+            with contextlib.suppress(InvalidStateError):  # it finished meanwhile
+                control.cancel()
+            if alone:
+                self.cancelled = "the replicas this step averages with stopped answering"
+            else:
+                self.cancelled = f"its all-reduce ran over {self.stall_s:.1f} s"
+            log.warning(f"{self.cancelled}: this replica steps with its own gradient")
+
+
+def _reporter(item) -> bytes | None:
+    """The peer id in one entry of hivemind's progress key (None when it has none)."""
+    report = getattr(item, "value", None)
+    peer = report.get("peer_id") if isinstance(report, dict) else None
+    return peer if isinstance(peer, bytes) else None
 
 
 def tracked_partners(opt: hivemind.Optimizer) -> dict[bytes, dict]:
@@ -398,9 +421,8 @@ def tracked_partners(opt: hivemind.Optimizer) -> dict[bytes, dict]:
         return {}
     me, partners = opt.dht.peer_id.to_bytes(), {}
     for item in found.value.values():
-        report = getattr(item, "value", None)
-        if isinstance(report, dict) and isinstance(peer := report.get("peer_id"), bytes) and peer != me:
-            partners[peer] = report
+        if (peer := _reporter(item)) is not None and peer != me:
+            partners[peer] = item.value
     return partners
 
 
@@ -457,6 +479,8 @@ class SwarmUpdater:
     """The peers of one stage average gradients to a global batch through hivemind.Optimizer."""
 
     MAX_FAILED_LOADS = 3
+    ROUND_HISTORY = 8  # the stall bound follows the median of this many last rounds with partners
+    STALL_FACTOR = 5.0
 
     def __init__(
         self,
@@ -483,6 +507,7 @@ class SwarmUpdater:
         self.loaded_at: int | None = None  # the step of the last load of the stage's state
         self.check = ReplicaCheck(dht, run.run_id, stage)
         self.last_step: dict = {}
+        self.rounds: collections.deque[float] = collections.deque(maxlen=self.ROUND_HISTORY)  # seconds, groups >= 2
         groups = param_groups(module, t.weight_decay)
         self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s, idle)
         self.opt = hivemind.Optimizer(
@@ -522,6 +547,16 @@ class SwarmUpdater:
                 "metadata_expiration": TTL_S,
             },
         )
+        self.gone: set[bytes] = set()  # replicas that did not answer at the last step: not counted
+        parse = self.opt.tracker._parse_swarm_progress_data
+
+        def without_gone(metadata):
+            # hivemind has no way to leave a peer out of its tracker's count; its parser is wrapped.
+            if isinstance(metadata, dict) and self.gone:
+                metadata = {k: v for k, v in metadata.items() if _reporter(v) not in self.gone}
+            return parse(metadata)
+
+        self.opt.tracker._parse_swarm_progress_data = without_gone
 
     @property
     def epoch(self) -> int:
@@ -619,18 +654,21 @@ class SwarmUpdater:
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.eta_next_epoch = get_dht_time()
         partners = live_partners(self.opt)
+        # hivemind counts a replica that died until its progress report expires (TTL_S) and looks for
+        # a group with it until averaging_timeout_s: that stalled the whole pipeline right after one
+        # peer of a 2 x 2 swarm was killed. Those that do not answer are left out of its view.
+        self.gone = set(tracked_partners(self.opt)) - set(partners)
         if not partners:
-            # No other replica of the stage is there to average with: step alone at once. hivemind
-            # counts a replica that died until its progress record expires (TTL_S) and looks for a
-            # group with it until averaging_timeout_s (10 s): that stalled the whole pipeline right
-            # after one peer of a 2 x 2 swarm was killed.
+            # No other replica of the stage is there to average with: step alone at once. Said to the
+            # tracker now, and to every fetch until the step begins (a fetch landing in between
+            # brought the dead replica back and hivemind waited for it).
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.num_peers = 1
         self.opt.grad_averager.cap(self._caps())
         before, control = self.epoch, self.opt.scheduled_grads
         self.norms.step = before
         started = time.perf_counter()
-        with PartnerWatch(self.opt, partners):
+        with PartnerWatch(self.opt, partners, self._stall_s()):
             self.opt.step(batch_size=self.declared(pending))
         if self.epoch != before + 1:
             # No step: the tracker's view changed between the check and the step (a fetch landed),
@@ -651,6 +689,8 @@ class SwarmUpdater:
             group = 0
             log.warning(f"stage {self.stage} step {before}: the averaged gradient was not finite; not applied")
         self.last_step = {"step": before, "samples": pending, "group": group, "s": time.perf_counter() - started}
+        if group >= 2:
+            self.rounds.append(self.last_step["s"] - self.norms.waited)
         log.info(
             "stage %d step %d: %d samples, averaged in a group of %d in %.3f s (norm wait %.3f s)",
             self.stage,
@@ -673,6 +713,16 @@ class SwarmUpdater:
             log.info(f"stage {self.stage} step {before}: averaged alone with {pending} samples")
         self.check.publish(self.epoch, weights_digest(self.module))
         return pending
+
+    def _stall_s(self) -> float | None:
+        """The longest this step's all-reduce may run before this replica steps alone: STALL_FACTOR x
+        the median of the last rounds with partners, at least one matchmaking plus one chunk timeout
+        (hivemind itself leaves out a partner whose part is that late); None (up to hivemind's
+        averaging_timeout_s) before three such rounds."""
+        if len(self.rounds) < 3:
+            return None
+        a = self.run.averaging
+        return max(self.STALL_FACTOR * statistics.median(self.rounds), a.matchmaking_time_s + a.chunk_timeout_s)
 
     def _caps(self) -> dict[str, float] | None:
         """The most each replica of the stage may weigh in this step's all-reduce, from the trainers'

@@ -4,8 +4,13 @@ rebalances close to the best assignment."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import hivemind
@@ -16,7 +21,16 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
 from benchmarks.rebalance import best_min_total, stage_totals
-from peer.averaging import NormExchange, ReplicaCheck, SwarmUpdater, clip_contribution, drop_grads, grads_finite
+from peer.averaging import (
+    NormExchange,
+    ReplicaCheck,
+    SwarmUpdater,
+    clip_contribution,
+    drop_grads,
+    grads_finite,
+    live_partners,
+    tracked_partners,
+)
 from peer.options import Faults
 from peer.requests import ForwardWork
 from peer.worker import StageWorker
@@ -29,6 +43,7 @@ from swarm.records import (
     PeerRecord,
     WeightsDigest,
     announce_peer,
+    averaging_prefix,
     digest_key,
     make_dht,
     norm_key,
@@ -40,7 +55,7 @@ from swarm.records import (
     visible_maddrs,
 )
 from swarm.wire import decode, encode
-from tests.processes import member_client, wait_for_state
+from tests.processes import ROOT, member_client, wait_for_state
 from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
 
 FAST_AVERAGING = "\n[averaging]\nmatchmaking_time_s = 0.5\nrequest_timeout_s = 0.3\n"
@@ -363,6 +378,84 @@ def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority
     a.norms.step = 0
     assert a.norms(16.0) == pytest.approx(5.0)  # sqrt(9 + 16): stage 0's share and its own
     assert not any("no gradient norm" in n for n in caplog.messages), caplog.messages
+
+
+# A replica that is alive (it answers pings, it reports samples toward the step) and never joins a
+# round. It runs in a process of its own: hivemind signs progress reports with one key per process.
+IDLE_PARTNER = """
+import sys, time
+from hivemind.optim.progress_tracker import ProgressTracker
+from swarm.records import make_dht
+dht = make_dht(sys.argv[3:])
+tracker = ProgressTracker(dht=dht, prefix=sys.argv[1], target_batch_size=int(sys.argv[2]), start=True)
+tracker.report_local_progress(0, 1)
+print("reporting", flush=True)
+time.sleep(600)
+"""
+
+
+@contextlib.contextmanager
+def replica_and_idle_partner(tmp_path):
+    """A real replica of stage 1 (averaging_timeout_s 120 s) and an IDLE_PARTNER it sees; yields the
+    replica and the partner's process."""
+    _, run = config_with(tmp_path, FAST_AVERAGING + "averaging_timeout_s = 120.0\nsync_timeout_s = 1.0\n")
+    stage = StageOne(run)
+    idle = None
+    try:
+        a = stage.replica(stage.node(stage=1))
+        prefix = averaging_prefix(run.run_id, 1)
+        args = [sys.executable, "-c", IDLE_PARTNER, prefix, str(run.training.global_batch), *visible_maddrs(a.opt.dht)]
+        idle = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert idle.stdout.readline().strip() == "reporting"
+        a.opt.tracker.report_local_progress(a.epoch, 1)  # as serving does
+        deadline = time.monotonic() + 30
+        while not live_partners(a.opt) or a.opt.tracker.global_progress.num_peers < 2:
+            assert time.monotonic() < deadline, "the replica never saw its partner"
+            time.sleep(0.1)
+        for p in a.module.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        yield a, idle
+    finally:
+        if idle is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(idle.pid, signal.SIGKILL)  # its DHT node and p2pd too
+            idle.wait()
+        stage.close()
+
+
+def timed_step(a: SwarmUpdater) -> float:
+    started = time.monotonic()
+    assert a.step(a.run.training.global_batch, force=True) == a.run.training.global_batch
+    assert a.epoch == 1
+    return time.monotonic() - started
+
+
+def test_a_round_stalled_with_a_live_partner_is_cut_at_the_stall_bound(tmp_path, caplog):
+    """The partner is alive but never steps, so the replica's all-reduce finds no group until
+    averaging_timeout_s (120 s). After rounds of about 0.2 s, the bound is one matchmaking plus one
+    chunk timeout (5.5 s): the replica steps with its own gradient well before, and says why."""
+    caplog.set_level(logging.WARNING, logger="swarm.averaging")
+    with replica_and_idle_partner(tmp_path) as (a, _):
+        a.rounds.extend([0.2, 0.2, 0.2])
+        assert a._stall_s() == pytest.approx(0.5 + 5.0)
+        elapsed = timed_step(a)
+        assert elapsed < 30, f"the step took {elapsed:.1f} s"
+        assert any("ran over 5.5 s" in m for m in caplog.messages), caplog.messages
+
+
+def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_report_expires(tmp_path):
+    """The partner's whole process group is killed; its progress report stays in the DHT until it
+    expires. The replica steps alone at once, and hivemind's tracker, fetching again and again, does not
+    count the dead partner: a fetch that did used to bring it back between the replica's check and
+    hivemind's step, and hivemind then looked for a group with it for averaging_timeout_s."""
+    with replica_and_idle_partner(tmp_path) as (a, idle):
+        os.killpg(idle.pid, signal.SIGKILL)
+        idle.wait()
+        elapsed = timed_step(a)
+        assert elapsed < 30, f"the step took {elapsed:.1f} s"
+        time.sleep(2.0)  # fetches every 0.1 to 0.5 s
+        assert tracked_partners(a.opt), "the dead partner's report expired already: nothing was tested"
+        assert a.opt.tracker.global_progress.num_peers <= 1, a.opt.tracker.global_progress
 
 
 def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averaging_swarm):

@@ -75,3 +75,26 @@ def test_the_libraries_stay_at_warning_unless_debugging():
 def test_an_unknown_log_level_is_refused_naming_the_flag(command: list[str]):
     run = run_cli(*command, "--log-level", "loud", timeout=60)
     assert run.returncode == 2 and "--log-level" in run.stderr and "loud" in run.stderr, run.stderr
+
+
+def test_a_failed_averaging_round_is_one_warning_line_and_other_errors_keep_their_traceback():
+    """hivemind logs a round that found no group with logger.exception; in a swarm that is expected
+    (the replica steps alone), so a volunteer's log shows one warning line, not a traceback."""
+    script = (
+        "import sys; from swarm.logs import setup_logging; setup_logging('info')\n"
+        "from hivemind.averaging.partition import AllreduceException\n"
+        "from hivemind.averaging import averager\n"
+        "for error in (AllreduceException('Averaging step failed: could not find a group'), ValueError('a bug')):\n"
+        "    try:\n"
+        "        raise error\n"
+        "    except Exception as e:\n"
+        "        averager.logger.exception(e)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert run.returncode == 0, run.stderr
+    failed = "averaging round failed: AllreduceException: Averaging step failed: could not find a group"
+    assert failed in run.stderr, run.stderr
+    round_line = next(line for line in run.stderr.splitlines() if failed in line)
+    assert "WARN" in round_line, round_line
+    # The traceback that is left is the ValueError's, and only it.
+    assert run.stderr.count("Traceback") == 1 and "ValueError: a bug" in run.stderr, run.stderr
