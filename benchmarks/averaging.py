@@ -1,16 +1,20 @@
 """`python -m benchmarks averaging`: the swarm with per-stage averaging against the reference trainer.
 
-In one run: `swarm train --local` on the config, then for each codec a coordinator, S stages x R
-replicas of `swarm peer --no-rebalance --threads 1` and `swarm train --coordinator URL`, the same
-number of global steps with the same data order and global batch. Every peer of a stage averages
-its gradients with the others (hivemind.Optimizer), so the swarm should follow the reference's
-loss curve.
+In one run: `swarm train --local` on the config, then for each variant (`--variants`: the wire codec
+and `[averaging] compression`, e.g. `none/int8`) a coordinator, S stages x R replicas of `swarm peer
+--no-rebalance --threads 1` and `swarm train --coordinator URL`, the same number of global steps
+with the same data order and global batch. Every peer of a stage averages its gradients with the
+others (hivemind.Optimizer), so the swarm should follow the reference's loss curve.
 
 Definitions:
 - final loss = mean training loss of the last `--tail` steps (one step's loss is noisy);
 - ratio = swarm final loss / reference final loss; the goal is within 2% (no codec) and 3% (int8);
 - val loss = the last validation pass of each run (same validation batches);
-- s/step = wall seconds per global step of the swarm trainer (matchmaking and all-reduce included).
+- s/step = wall seconds per global step of the swarm trainer (matchmaking and all-reduce included);
+- averaging bytes / param / step = the bytes the stages' all-reduces moved (each replica counts the
+  parts it reduced for the others, received and sent back: peer/allreduce.py; from the peers'
+  `--log-steps` lines), over the model's parameters and the steps: what one replica's link carries
+  (up and down together) when each stage has 2 replicas.
 
 Writes one row per codec, the loss curves (every `--every` steps) as a table in results.md, and
 the plot benchmarks/averaging_loss.svg.
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 from benchmarks.common import (
     ROOT,
@@ -33,6 +38,7 @@ from benchmarks.common import (
     last_val,
     log_dir,
     read_jsonl,
+    read_step_logs,
     start_coordinator,
     start_peer,
     stop_all,
@@ -40,27 +46,50 @@ from benchmarks.common import (
 )
 from benchmarks.plot import line_chart
 from benchmarks.results import append_row, replace_section, target
-from swarm.config import load_config
+from swarm.config import Codec, GradCompression, load_config
+from swarm.model import build_stages
 
-SECTION = "averaging: S stages x R replicas (averaged) ÷ the reference trainer"
+SECTION = "averaging: S stages x R replicas (averaged) ÷ the reference trainer, by wire codec and averaging compression"
 CURVES = "averaging: loss curves"
 PLOT_NAME = "averaging_loss.svg"  # beside the results file
-GOALS = {"none": 0.02, "int8": 0.03}
+GOALS = {"none": 0.02, "int8": 0.03}  # by wire codec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/tiny.toml")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--replicas", type=int, default=2, help="peers per stage")
-    p.add_argument("--codecs", default="none,int8", help="comma-separated wire codecs to run the swarm with")
+    p.add_argument(
+        "--variants",
+        type=variants,
+        default="none/none,none/int8,int8/int8",
+        help="comma-separated WIRE/AVERAGING pairs: the wire codec and [averaging] compression of each swarm run",
+    )
     p.add_argument("--matchmaking", type=float, default=0.5, help="averaging.matchmaking_time_s (loopback)")
     p.add_argument("--tail", type=int, default=10, help="steps averaged into the final loss")
     p.add_argument("--every", type=int, default=10, help="steps between rows of the loss-curve table")
     p.add_argument("--log-dir", default=None)
 
 
-def variant(config: Path, codec: str, matchmaking: float) -> str:
-    """The config's text with the codec set and loopback averaging timeouts (unless it sets its own)."""
+def variants(text: str) -> list[tuple[str, str]]:
+    """`none/int8,int8/int8` -> [("none", "int8"), ("int8", "int8")], each checked against the config's choices."""
+    out = []
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        wire, _, averaging = item.partition("/")
+        if wire not in get_args(Codec) or averaging not in get_args(GradCompression):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: WIRE/AVERAGING with WIRE one of {', '.join(get_args(Codec))} and AVERAGING one of "
+                f"{', '.join(get_args(GradCompression))}"
+            )
+        out.append((wire, averaging))
+    if not out:
+        raise argparse.ArgumentTypeError("no variant given")
+    return out
+
+
+def variant(config: Path, codec: str, compression: str, matchmaking: float) -> str:
+    """The config's text with the wire codec and the averaging compression set, and loopback averaging
+    timeouts (unless it sets its own)."""
     text = config.read_text()
     if re.search(r'(?m)^codec = "\w+"', text):
         text = re.sub(r'(?m)^codec = "\w+"', f'codec = "{codec}"', text)
@@ -68,11 +97,13 @@ def variant(config: Path, codec: str, matchmaking: float) -> str:
         text += f'\n[wire]\ncodec = "{codec}"\n'
     if "[averaging]" not in text:
         text += f"\n[averaging]\nmatchmaking_time_s = {matchmaking}\nrequest_timeout_s = {matchmaking * 0.6:g}\n"
-    return text
+    return text.replace("[averaging]\n", f'[averaging]\ncompression = "{compression}"\n', 1)
 
 
-def run_swarm(config: Path, stages: int, replicas: int, steps: int, tmp: Path) -> tuple[list[dict], float]:
+def run_swarm(config: Path, stages: int, replicas: int, steps: int, tmp: Path) -> tuple[list[dict], float, int]:
+    """The trainer's records, its wall seconds, and the bytes the stages' all-reduces moved."""
     procs: list[Proc] = []
+    step_logs: dict[str, Path] = {}
     try:
         coordinator, url = start_coordinator(config, tmp / "coordinator.log")
         procs.append(coordinator)
@@ -80,7 +111,8 @@ def run_swarm(config: Path, stages: int, replicas: int, steps: int, tmp: Path) -
         for k in range(stages):
             for r in range(replicas):
                 name = f"p{k}{chr(97 + r)}"
-                peers[name] = start_peer(url, name, k, tmp, "--no-rebalance")
+                step_logs[name] = tmp / f"{name}.steps"
+                peers[name] = start_peer(url, name, k, tmp, "--no-rebalance", "--log-steps", str(step_logs[name]))
                 procs.append(peers[name])
         wait_online(url, peers)
         log_json = tmp / "train.jsonl"
@@ -97,14 +129,15 @@ def run_swarm(config: Path, stages: int, replicas: int, steps: int, tmp: Path) -
         if trainer.returncode != 0:
             raise RuntimeError(f"the swarm trainer exited with {trainer.returncode}:\n{trainer.stdout[-3000:]}")
         print(trainer.stdout, flush=True)
-        return read_jsonl(log_json), wall
     finally:
         stop_all(procs)
+    moved = sum(entry.get("reduced_bytes", 0) for entry in read_step_logs(step_logs))
+    return read_jsonl(log_json), wall, moved
 
 
 def run(args: argparse.Namespace) -> str:
     cfg = load_config(args.config)
-    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    params = sum(p.numel() for stage in build_stages(cfg) for p in stage.parameters())
     tmp = log_dir(args.log_dir, "averaging")
 
     print(f"reference: swarm train --local, {args.steps} steps", flush=True)
@@ -118,26 +151,28 @@ def run(args: argparse.Namespace) -> str:
     local = read_jsonl(local_log)
     curves = {"reference (--local)": local}
     rows = []
-    for codec in codecs:
-        run_dir = tmp / codec
+    for codec, compression in args.variants:
+        run_dir = tmp / f"{codec}-{compression}"
         run_dir.mkdir(exist_ok=True)
         config = run_dir / "run.toml"
-        config.write_text(variant(Path(args.config), codec, args.matchmaking))
+        config.write_text(variant(Path(args.config), codec, compression, args.matchmaking))
         load_config(config)  # refuse a broken variant before starting processes
-        print(f"swarm: {cfg.stages.count} stages x {args.replicas} replicas, codec {codec}", flush=True)
-        records, wall = run_swarm(config, cfg.stages.count, args.replicas, args.steps, run_dir)
-        curves[f"swarm {cfg.stages.count}x{args.replicas}, {codec}"] = records
+        print(f"swarm: {cfg.stages.count} stages x {args.replicas} replicas, wire {codec}, averaging {compression}")
+        records, wall, moved = run_swarm(config, cfg.stages.count, args.replicas, args.steps, run_dir)
+        curves[f"swarm {cfg.stages.count}x{args.replicas}, {codec}/{compression}"] = records
         ref, ours = final_loss(local, args.tail), final_loss(records, args.tail)
         ratio = ours / ref
-        goal = GOALS.get(codec, 0.03)
+        goal = GOALS.get(codec, 0.03) if compression == "none" else 0.03
         met = "met" if abs(ratio - 1) <= goal else "not met"
+        per_param = moved / params / args.steps
         rows.append(
             append_row(
                 SECTION,
                 [
                     "config",
                     "swarm",
-                    "codec",
+                    "wire codec",
+                    "averaging compression",
                     "steps",
                     "reference final loss",
                     "swarm final loss",
@@ -145,12 +180,14 @@ def run(args: argparse.Namespace) -> str:
                     "reference val",
                     "swarm val",
                     "swarm s/step",
+                    "averaging bytes / param / step",
                     "notes",
                 ],
                 [
                     args.config,
                     f"{cfg.stages.count} x {args.replicas}",
                     codec,
+                    compression,
                     args.steps,
                     f"{ref:.4f}",
                     f"{ours:.4f}",
@@ -158,7 +195,9 @@ def run(args: argparse.Namespace) -> str:
                     f"{last_val(local):.4f}" if last_val(local) else "-",
                     f"{last_val(records):.4f}" if last_val(records) else "-",
                     f"{wall / args.steps:.2f}",
+                    f"{per_param:.2f}",
                     f"goal within {goal:.0%}: {met}; final loss = mean of the last {args.tail} steps; "
+                    f"{moved / 1e6:.1f} MB averaged over {params:,} parameters; "
                     f"matchmaking {args.matchmaking} s, loopback, 1 torch thread per peer",
                 ],
             )

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import hashlib
 import logging
 import math
+import multiprocessing
 import statistics
 import threading
 import time
@@ -46,11 +48,12 @@ from functools import partial
 
 import hivemind
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
+from peer.allreduce import COMPRESSIONS, ExactAllReduceRunner
 from peer.checkpoint import Checkpoint
 from swarm.config import RunConfig
 from swarm.optim import make_optimizer, param_groups, primed
@@ -179,15 +182,13 @@ class LocalUpdater:
         pass
 
 
-def _float64_like(groups: list[dict]) -> list[torch.Tensor]:
-    """The all-reduce buffers, in float64.
-
-    hivemind's all-reduce hands each peer its result as its own part plus a delta, so in float32 the
-    replicas' averages differ in the last bit; AdamW's first steps (and any near-zero gradient) turn
-    such a difference into a whole step of the learning rate in opposite directions. Averaged in
-    float64 and rounded to float32 once, every replica gets the same gradient, and the replicas stay
-    equal. The cost: twice the bytes of a float32 all-reduce."""
-    return [torch.zeros(p.shape, dtype=torch.float64).share_memory_() for g in groups for p in g["params"]]
+def _grad_buffers(groups: list[dict]) -> list[torch.Tensor]:
+    """The all-reduce buffers, in float32, in shared memory (hivemind's averager runs in a process of
+    its own). Every replica copies in the same average (peer/allreduce.py ExactAllReduceRunner): with
+    hivemind's own all-reduce, each replica's own part plus a delta differed in the last bit, which
+    AdamW's first steps (and any near-zero gradient) turn into a whole step of the learning rate in
+    opposite directions, and the buffers had to be float64 (twice the bytes) to hide it."""
+    return [torch.zeros(p.shape, dtype=torch.float32).share_memory_() for g in groups for p in g["params"]]
 
 
 def weights_digest(module: torch.nn.Module, sample: int = 65536) -> str:
@@ -207,12 +208,16 @@ class CappedGradientAverager(GradientAverager):
 
     hivemind has no hook for the weights: each reducer adds a sender's part with the weight that
     sender sent along (`TensorPartReducer.accumulate_part`). `_run_allreduce_inplace_` below is
-    hivemind 1.1.12's own, but for wrapping that call of the round's reducer. The caps live in the
+    hivemind 1.1.12's own, but for wrapping that call of the round's reducer, and for running
+    ExactAllReduceRunner (every replica copies in the same average, also with a lossy codec). The caps live in the
     averager's process and come from the replica's through its control pipe (`cap`)."""
 
     def __init__(self, *args, global_batch: int, **kwargs):
         self.global_batch = global_batch
         self.caps: dict[str, float] | None = None  # in the averager's process
+        # Bytes this replica reduced for the others in all rounds so far (ExactAllReduceRunner
+        # reduced_bytes), counted in the averager's process, read in the replica's.
+        self.reduced_bytes = multiprocessing.Value(ctypes.c_double, 0.0)
         super().__init__(*args, **kwargs)
 
     def cap(self, caps: dict[str, float] | None) -> None:
@@ -224,7 +229,7 @@ class CappedGradientAverager(GradientAverager):
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
-        runner = AllReduceRunner(
+        runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -247,10 +252,14 @@ class CappedGradientAverager(GradientAverager):
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, update in azip(as_aiter(*tensors), runner):
-                tensor.add_(update, alpha=self._averaging_alpha)
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
+            try:
+                async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                    tensor.copy_(averaged)  # values, not differences (peer/allreduce.py); averaging_alpha is 1
+                    self.last_updated = get_dht_time()
+                    self._state_updated.set()
+            finally:
+                with self.reduced_bytes.get_lock():
+                    self.reduced_bytes.value += runner.reduced_bytes
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
@@ -531,8 +540,9 @@ class SwarmUpdater:
             # accumulators would only be a second copy.
             reuse_grad_buffers=True,
             offload_optimizer=False,
+            grad_compression=COMPRESSIONS[a.compression],
             grad_averager_factory=partial(
-                CappedGradientAverager, averaged_grads=_float64_like(groups), global_batch=t.global_batch
+                CappedGradientAverager, averaged_grads=_grad_buffers(groups), global_batch=t.global_batch
             ),
             # Replicas apply identical steps, so averaging their parameters would change nothing; a
             # replica that missed a round loads the others' state instead (`behind`).
@@ -666,6 +676,7 @@ class SwarmUpdater:
                 self.opt.tracker.global_progress.num_peers = 1
         self.opt.grad_averager.cap(self._caps())
         before, control = self.epoch, self.opt.scheduled_grads
+        reduced = self.opt.grad_averager.reduced_bytes.value
         self.norms.step = before
         started = time.perf_counter()
         with PartnerWatch(self.opt, partners, self._stall_s()):
@@ -688,7 +699,13 @@ class SwarmUpdater:
             optimizer.skipped = 0
             group = 0
             log.warning(f"stage {self.stage} step {before}: the averaged gradient was not finite; not applied")
-        self.last_step = {"step": before, "samples": pending, "group": group, "s": time.perf_counter() - started}
+        self.last_step = {
+            "step": before,
+            "samples": pending,
+            "group": group,
+            "s": time.perf_counter() - started,
+            "reduced_bytes": int(self.opt.grad_averager.reduced_bytes.value - reduced),
+        }
         if group >= 2:
             self.rounds.append(self.last_step["s"] - self.norms.waited)
         log.info(

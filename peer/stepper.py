@@ -396,6 +396,8 @@ class Stepper:
             self.samples_pending -= used
             if self.step_log:
                 entry = {"stage": self.stage_index, "step": self.optimizer_steps, "microbatches": self.pending_ids}
+                # The bytes of the stage's all-reduce this replica reduced for the others (averaging on).
+                entry["reduced_bytes"] = getattr(self.updater, "last_step", {}).get("reduced_bytes", 0)
                 with open(self.step_log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
             self.pending_ids = []

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 Codec = Literal["none", "fp16", "bf16", "int8"]
 DType = Literal["float32", "bfloat16", "float16"]
+GradCompression = Literal["none", "fp16", "int8"]
 
 
 class ConfigError(ValueError):
@@ -191,6 +192,10 @@ class AveragingConfig(_Strict):
     )
     contribution_clip: float = Field(
         10.0, ge=0, description="clip each peer's gradient to this many x training.grad_clip before averaging; 0: off"
+    )
+    compression: GradCompression = Field(
+        "none",
+        description="what the all-reduce sends: none (4 bytes a value), fp16 (2), int8 (1, blocks of 256 with a scale)",
     )
 
     @model_validator(mode="after")

@@ -17,13 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from benchmarks.__main__ import BENCHMARKS
+from benchmarks.averaging import SECTION as AVERAGING_SECTION
 from benchmarks.net import unavailable
 from benchmarks.wire import TLS_SECTION
 from tests.conftest import ROOT
 
 LOGS = ("--log-dir", "{tmp}/logs")  # the benchmarks that start processes keep their logs with the test
 TINY = {
-    "averaging": ["--steps", "3", "--codecs", "none", "--every", "1", "--tail", "2", *LOGS],
+    "averaging": ["--steps", "3", "--variants", "none/int8", "--every", "1", "--tail", "2", *LOGS],
     "chaos": [
         *("--stages", "2", "--per-stage", "2", "--steps", "6", "--no-baseline"),
         *("--kill-min-s", "3", "--kill-max-s", "4", "--coordinator-at", "2", "--coordinator-down-s", "2"),
@@ -124,3 +125,17 @@ def test_wire_smoke_times_calls_over_mutual_tls_too(smoke_runs):
     _, found, section = results.read_text().partition(f"## {TLS_SECTION}\n")
     rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith(ROW_START)]
     assert found and len(rows) == 1 and "| noop | bf16 |" in rows[0], results.read_text()
+
+
+def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
+    """The averaging row's bytes per parameter come from the peers' step logs: at the tiny size, with
+    int8 averaging, 2 replicas per stage, about 1 byte a value each way (more than 0, less than 4)."""
+    _, futures = smoke_runs
+    done, results = futures["averaging"].result()
+    assert done.returncode == 0, f"python -m benchmarks averaging exited {done.returncode}:\n{done.stderr[-3000:]}"
+    _, found, section = results.read_text().partition(f"## {AVERAGING_SECTION}\n")
+    header, _, row = [line for line in section.split("\n## ")[0].splitlines() if line.startswith("|")][:3]
+    assert found, results.read_text()
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")], strict=True))
+    assert cells["averaging compression"] == "int8", cells
+    assert 0.5 < float(cells["averaging bytes / param / step"]) < 4, cells

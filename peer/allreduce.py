@@ -1,0 +1,121 @@
+"""What a stage's all-reduce sends, and how every replica ends with the same bits.
+
+hivemind's all-reduce splits the averaged tensors into parts, one reducer per part: each member sends
+its part to the part's reducer, which averages and sends back the difference between the average and
+that member's part (`AllReduceRunner`, return_deltas), which the member adds to its own tensor. That
+difference is compressed like everything sent: with a lossy codec every member ends a slightly
+different average (its own part plus its own rounding), the replicas' weights part, and the weights
+digests (peer/averaging.py ReplicaCheck) make the minority reload the stage's state at every step.
+`ExactAllReduceRunner` has each reducer send the average itself, compressed once, and keep for its own
+part what the others decode: every member copies in the same values.
+
+`[averaging] compression`: "none" sends the float32 buffers (4 bytes a value), "fp16" 2, "int8" a
+byte a value plus a float32 scale per block of 256 (the wire codec's, swarm/wire.py). The reducer
+adds up the decoded parts in float32 and encodes the average once: a replica's error is that of one
+encode of its part (weighted) and one of the average.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, BannedException
+from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression, serialization
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+from swarm.wire import INT8_BLOCK, _int8_decode, _int8_encode
+
+
+class Int8BlockCompression(CompressionBase):
+    """Signed 8-bit codes in blocks of INT8_BLOCK values, a float32 scale (absmax / 127) per block:
+    the error of a value is at most half its block's scale.
+
+    It travels as hivemind's BLOCKWISE_8BIT type, whose codec is replaced by this one in every process
+    that imports this module (all of a stage's replicas): hivemind's own 8-bit codecs fail to decode
+    under numpy >= 2.4 (Uniform8Bit, Quantile8Bit: int() of a 1-element array) or need bitsandbytes,
+    a CUDA library (Blockwise)."""
+
+    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        values = tensor.detach()
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=_int8_encode(values),
+            size=values.shape,
+            dtype=str(values.dtype).removeprefix("torch."),
+            requires_grad=tensor.requires_grad,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = tuple(serialized_tensor.size)
+        dtype = getattr(torch, serialized_tensor.dtype)
+        return _int8_decode(serialized_tensor.buffer, shape).to(dtype)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return (1 + 4 / INT8_BLOCK) / 4  # of float32 values
+
+
+serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = Int8BlockCompression()
+
+COMPRESSIONS: dict[str, CompressionBase] = {
+    "none": NoCompression(),
+    "fp16": Float16Compression(),
+    "int8": serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"],
+}
+
+
+def as_received(compression: CompressionBase, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a member decodes it after `compression`."""
+    return serialization.deserialize_torch_tensor(compression.compress(tensor, CompressionInfo.from_tensor(tensor)))
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """hivemind 1.1.12's AllReduceRunner, but for what a reducer hands back: the average of the part,
+    compressed with the averager's codec, and for its own part the same values decoded; the member's
+    outputs are values to copy in, not differences to add (a part whose reducer failed keeps the
+    member's own values, as before)."""
+
+    def __init__(self, *args, compression: CompressionBase, **kwargs):
+        super().__init__(*args, compression=compression, **kwargs)
+        self.compression = compression
+        self.tensor_part_container.return_deltas = False
+        # Bytes of the parts this member reduced for others: received, and their averages sent back.
+        # Every byte of a round has one reducer at one end: summed over the members, the round's traffic.
+        self.reduced_bytes = 0
+
+    async def _communicate_with_peer(self, peer_id):
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_event_loop()
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            received = await loop.run_in_executor(None, as_received, self.compression, averaged)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, received)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for msg in stream:
+                self.reduced_bytes += len(msg.tensor_part.buffer)
+                tensor_part = await loop.run_in_executor(None, serialization.deserialize_torch_tensor, msg.tensor_part)
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=msg.weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break  # the sender was banned: its parts are no longer aggregated
+                info = CompressionInfo.from_tensor(averaged)
+                serialized = await loop.run_in_executor(None, self.compression.compress, averaged, info)
+                self.reduced_bytes += len(serialized.buffer)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])

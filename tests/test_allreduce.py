@@ -1,0 +1,119 @@
+"""What a stage's all-reduce sends (`[averaging] compression`, peer/allreduce.py): real hivemind
+averagers (each its own process, as in a peer) on real DHT nodes over loopback, three replicas of
+unequal gradients and weights. With every codec the replicas end with the same bits (the weights
+digests compare them), within one encode's error of the exact weighted average; hivemind's own
+all-reduce, which hands each member the difference from its own part, leaves them apart."""
+
+from __future__ import annotations
+
+import math
+import threading
+from functools import partial
+
+import hivemind
+import pytest
+import torch
+from hivemind.optim.grad_averager import GradientAverager
+
+from peer.allreduce import COMPRESSIONS
+from peer.averaging import CappedGradientAverager, _grad_buffers
+from swarm.records import make_dht, shutdown_dht, visible_maddrs
+
+SHAPES = [(300, 70), (1000,), (7,)]  # not whole blocks of 256; a tensor smaller than a block
+WEIGHTS = [1.0, 2.0, 5.0]
+
+
+def gradients(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) * (seed + 1) for shape in SHAPES]
+
+
+def average_with(factory, compression: str, prefix: str) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], int]:
+    """Each replica's tensors after one round, the exact weighted average, and the bytes the round
+    moved (as the members' reducers counted them; 0 for hivemind's own averager, which counts none)."""
+    nodes: list[hivemind.DHT] = []
+    averagers = []
+    try:
+        for i in range(len(WEIGHTS)):
+            nodes.append(make_dht(visible_maddrs(nodes[0]) if nodes else None))
+            params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
+            for p, g in zip(params, gradients(i), strict=True):
+                p.grad = g.clone()
+            averagers.append(
+                factory(
+                    params,
+                    dht=nodes[-1],
+                    prefix=prefix,
+                    reuse_grad_buffers=True,
+                    target_group_size=len(WEIGHTS),
+                    min_matchmaking_time=2.0,
+                    request_timeout=1.0,
+                    compression=COMPRESSIONS[compression],
+                    averaged_grads=_grad_buffers([{"params": params}]),
+                    start=True,
+                )
+            )
+            averagers[-1].accumulate_grads_(batch_size=1)
+        groups: list = [None] * len(WEIGHTS)
+
+        def step(i: int) -> None:
+            groups[i] = averagers[i].step(weight=WEIGHTS[i], timeout=60)
+
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(len(WEIGHTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert all(g is not None and len(g) == len(WEIGHTS) for g in groups), f"groups: {groups}"
+        results = []
+        for averager in averagers:
+            with averager.get_tensors() as tensors:
+                results.append([t.clone() for t in tensors])
+        moved = sum(int(a.reduced_bytes.value) for a in averagers if hasattr(a, "reduced_bytes"))
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for node in nodes:
+            shutdown_dht(node)
+    grads = [gradients(i) for i in range(len(WEIGHTS))]
+    exact = [
+        sum(w * g[k].double() for w, g in zip(WEIGHTS, grads, strict=True)) / sum(WEIGHTS) for k in range(len(SHAPES))
+    ]
+    return results, exact, moved
+
+
+def capped(params, **kwargs):
+    return CappedGradientAverager(params, global_batch=16, **kwargs)
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "int8"])
+def test_replicas_end_a_round_with_the_same_bits_within_one_encode_of_the_average(compression: str):
+    results, exact, moved = average_with(capped, compression, f"exact_{compression}")
+    # Each value goes to its part's reducer from the 2 other members and its average comes back to
+    # them: 4 x the values, at the codec's bytes a value.
+    values = sum(math.prod(shape) for shape in SHAPES)
+    per_value = moved / (4 * values)
+    expected = {"none": 4.0, "fp16": 2.0, "int8": 1 + 4 / 256}[compression]
+    assert expected <= per_value <= expected * 1.05, f"{compression}: {per_value:.3f} bytes a value"
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b), f"{compression}: replicas differ by up to {(a - b).abs().max().item():.3g}"
+    # One encode of a member's part and one of the average: int8 is off by at most half a step of
+    # its block's scale (absmax / 127), fp16 by 2^-11 of the value; as a bound over all values,
+    # one step (or 2^-10) of the largest gradient and of the largest average.
+    # hivemind's reducer adds up in float32: "none" is as close as that.
+    step = {"none": 2.0**-20, "fp16": 2.0**-10, "int8": 1 / 127}[compression]
+    largest = max(g.abs().max().item() for i in range(len(WEIGHTS)) for g in gradients(i))
+    largest += max(w.abs().max().item() for w in exact)
+    for got, want in zip(results[0], exact, strict=True):
+        err = (got - want).abs().max().item()
+        assert err <= step * largest + 1e-12, f"{compression}: error {err:.3g}, bound {step * largest:.3g}"
+    if compression != "none":  # and the codec did round: the test would see a codec that sent float64
+        assert max((got - want).abs().max().item() for got, want in zip(results[0], exact, strict=True)) > 1e-9
+
+
+def test_hiveminds_own_round_leaves_replicas_apart_with_a_lossy_codec():
+    """What ExactAllReduceRunner fixes: each member adds its own rounding of the difference."""
+    stock = partial(GradientAverager)
+    results, _, _ = average_with(stock, "int8", "stock_int8")
+    assert any(not torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
