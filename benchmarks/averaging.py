@@ -43,6 +43,7 @@ from benchmarks.common import (
     start_peer,
     stop_all,
     wait_online,
+    with_compression,
 )
 from benchmarks.plot import line_chart
 from benchmarks.results import append_row, replace_section, target
@@ -97,7 +98,7 @@ def variant(config: Path, codec: str, compression: str, matchmaking: float) -> s
         text += f'\n[wire]\ncodec = "{codec}"\n'
     if "[averaging]" not in text:
         text += f"\n[averaging]\nmatchmaking_time_s = {matchmaking}\nrequest_timeout_s = {matchmaking * 0.6:g}\n"
-    return text.replace("[averaging]\n", f'[averaging]\ncompression = "{compression}"\n', 1)
+    return with_compression(text, compression)
 
 
 def run_swarm(config: Path, stages: int, replicas: int, steps: int, tmp: Path) -> tuple[list[dict], float, int]:

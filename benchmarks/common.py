@@ -102,3 +102,11 @@ def last_val(records: list[dict]) -> float | None:
     """The trainer's last validation loss, if it had one."""
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     return vals[-1] if vals else None
+
+
+def with_compression(text: str, compression: str) -> str:
+    """A config's text with `[averaging] compression` set (the section added when missing)."""
+    line = f'compression = "{compression}"\n'
+    if "[averaging]\n" not in text:
+        return text + f"\n[averaging]\n{line}"
+    return text.replace("[averaging]\n", f"[averaging]\n{line}", 1)

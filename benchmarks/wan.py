@@ -17,10 +17,12 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
+from benchmarks.common import with_compression
 from benchmarks.net import Internet, NetSwarm, by_name, unavailable
 from benchmarks.results import append_row
-from swarm.config import load_config
+from swarm.config import GradCompression, load_config
 
 SECTION = "wan: 2 stages x 2 peers on an emulated internet, every node at the same bandwidth"
 PEERS = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
@@ -30,7 +32,15 @@ HOMES = {"b0", "b1"}  # behind home routers in the relayed run
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/small.toml")
     p.add_argument("--mbit", default="1000,100,20", help="bandwidths, Mbit/s each way per node, comma-separated")
-    p.add_argument("--relay-mbit", type=float, default=100.0, help="bandwidth of the relayed vs direct comparison")
+    p.add_argument(
+        "--relay-mbit", type=float, default=100.0, help="bandwidth of the relayed vs direct comparison (0: none)"
+    )
+    p.add_argument(
+        "--compressions",
+        type=compressions,
+        default="none",
+        help="[averaging] compression of each run, comma-separated; the relay comparison uses the first",
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from tokens/s")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
@@ -78,30 +88,48 @@ COLUMNS = ["config", "Mbit/s per node", "peers", "steps", "tokens/s", "relayed �
 NOTE = "no added latency (no netem); tokens/s after the warm-up steps"
 
 
+def compressions(text: str) -> list[str]:
+    chosen = [c.strip() for c in text.split(",") if c.strip()]
+    if not chosen or any(c not in get_args(GradCompression) for c in chosen):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(get_args(GradCompression))}")
+    return chosen
+
+
 def run(args: argparse.Namespace) -> str:
     if (why := unavailable()) is not None:
         raise SystemExit(f"wan: no emulated internet here: {why}")
     config = load_config(args.config)
-    rates: dict[float, float] = {}
+    rates: dict[tuple[str, float], float] = {}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="swarm-wan-configs-") as tmp:
 
-    def measure(mbit: float, homes: set[str]) -> tuple[float, float]:
-        steps, first = one_run(Path(args.config), mbit, homes, args.steps, args.timeout_s)
-        return tokens_per_s(steps, args.warmup, config), first
+        def measure(compression: str, mbit: float, homes: set[str]) -> tuple[float, float]:
+            path = Path(tmp) / f"{compression}.toml"
+            path.write_text(with_compression(Path(args.config).read_text(), compression))
+            steps, first = one_run(path, mbit, homes, args.steps, args.timeout_s)
+            return tokens_per_s(steps, args.warmup, config), first
 
-    for mbit in [float(x) for x in args.mbit.split(",")]:
-        rates[mbit], _ = measure(mbit, set())
-        print(f"{mbit:g} Mbit/s, direct: {rates[mbit]:,.0f} tokens/s", flush=True)
-        append_row(
-            SECTION, COLUMNS, [args.config, f"{mbit:g}", "all direct", args.steps, f"{rates[mbit]:.0f}", "", "", NOTE]
-        )
-    mbit = args.relay_mbit
-    if mbit not in rates:
-        rates[mbit], _ = measure(mbit, set())
-    relayed, first = measure(mbit, HOMES)
-    ratio = relayed / rates[mbit]
+        for compression in args.compressions:
+            note = f"averaging compression {compression}; {NOTE}"
+            for mbit in [float(x) for x in args.mbit.split(",")]:
+                rate = rates[compression, mbit] = measure(compression, mbit, set())[0]
+                print(f"{mbit:g} Mbit/s, averaging {compression}, direct: {rate:,.0f} tokens/s", flush=True)
+                values = [args.config, f"{mbit:g}", "all direct", args.steps, f"{rate:.0f}", "", "", note]
+                rows.append(append_row(SECTION, COLUMNS, values))
+        mbit, compression = args.relay_mbit, args.compressions[0]
+        if mbit <= 0:
+            return "\n".join(rows)
+        if (compression, mbit) not in rates:
+            rates[compression, mbit] = measure(compression, mbit, set())[0]
+        relayed, first = measure(compression, mbit, HOMES)
+    ratio = relayed / rates[compression, mbit]
     print(f"{mbit:g} Mbit/s, {', '.join(sorted(HOMES))} relayed: {relayed:,.0f} tokens/s, {ratio:.2f} of direct; "
           f"they served their first microbatch {first:.1f} s after they started", flush=True)  # fmt: skip
     verdict = "met" if ratio >= 0.8 else "NOT met"
-    note = f"goal relayed ÷ direct >= 0.8: {verdict}; b0, b1 behind home routers, relayed by the coordinator; {NOTE}"
+    note = (
+        f"goal relayed ÷ direct >= 0.8: {verdict}; b0, b1 behind home routers, relayed by the coordinator; "
+        f"averaging compression {compression}; {NOTE}"
+    )
     values = [args.config, f"{mbit:g}", "b0, b1 relayed", args.steps, f"{relayed:.0f}", f"{ratio:.2f}", f"{first:.1f}"]
-    return append_row(SECTION, COLUMNS, [*values, note])
+    rows.append(append_row(SECTION, COLUMNS, [*values, note]))
+    return "\n".join(rows)

@@ -44,7 +44,18 @@ TINY = {
     "simulate": ["--peers", "40", "--minutes", "4", "--policies", "swarm,static"],
     "trainers": ["--steps", "12", "--warmup", "1", "--delays", "0.005,0.01", "--timeout-s", "240", *LOGS],
     "verify": ["--steps", "3", "--repeat", "0", "--tail", "2", *LOGS],
-    "wan": ["--config", "configs/tiny.toml", "--mbit", "100", "--steps", "3", "--warmup", "1"],
+    "wan": [
+        "--config",
+        "configs/tiny.toml",
+        "--mbit",
+        "100",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--compressions",
+        "int8",
+    ],
     "wire": ["--reps", "2", "--warmup", "1", "--codecs", "bf16", "--modules", "noop", "--batch", "2"],
 }
 
