@@ -14,6 +14,7 @@ Needs root, iproute2 and nftables (tests/install-tools.sh).
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -56,7 +57,8 @@ def tokens_per_s(steps: list[dict], warmup: int, config) -> float:
 
 
 def one_run(config_path: Path, mbit: float, homes: set[str], steps: int, timeout: float) -> tuple[list[dict], float]:
-    """A run at `mbit`; its step log and the seconds until every peer in `homes` served (0: none)."""
+    """A run at `mbit`; its step log and the seconds until every peer in `homes` served (0: no homes;
+    nan: one had served nothing when the trainer ended)."""
     with Internet() as net, tempfile.TemporaryDirectory(prefix="swarm-wan-") as tmp:
         names = ("coordinator", "trainer", *PEERS)
         nodes = {n: {"up_mbit": mbit, "down_mbit": mbit, "home": n in homes} for n in names}
@@ -72,11 +74,16 @@ def one_run(config_path: Path, mbit: float, homes: set[str], steps: int, timeout
             if homes:
                 swarm.state(lambda s: all(by_name(s, "reach").get(n) == "relayed" for n in homes), 120)
             swarm.train(steps, wait=False)
+            trainer = swarm.procs[-1]
             first_served = 0.0
             if homes:
-                swarm.state(lambda s: all(by_name(s, "samples_served").get(n, 0) > 0 for n in homes), timeout)
-                first_served = time.monotonic() - started
-            trainer = swarm.procs[-1]
+
+                def served(s: dict) -> bool:
+                    return all(by_name(s, "samples_served").get(n, 0) > 0 for n in homes)
+
+                # A short run can end before the trainer routed anything to a relayed peer: then nan.
+                state = swarm.state(lambda s: served(s) or trainer.popen.poll() is not None, timeout)
+                first_served = time.monotonic() - started if served(state) else math.nan
             if trainer.popen.wait(timeout) != 0:
                 raise SystemExit(f"wan: the trainer failed at {mbit} Mbit/s: {trainer.output()[-2000:]}")
             return swarm.steps(), first_served
