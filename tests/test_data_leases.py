@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,8 @@ import httpx
 import pytest
 
 from swarm.children import stop_all
+from swarm.config import ConfigError
+from swarm.trainer.leases import CoordinatorShards
 from tests.conftest import run_cli
 from tests.processes import ROOT, Proc, child, free_port, start_coordinator, wait_for_state
 
@@ -318,3 +321,30 @@ def test_a_killed_trainers_shard_goes_to_the_next_from_its_reported_offset(tmp_p
         print(f"reported offset {reported[first]} of shard {first}; trained by both: {len(twice)} windows above it")
     finally:
         stop_all(procs)
+
+
+def test_a_trainer_asks_a_restarting_coordinator_for_the_shards_again(tmp_path):
+    """A trainer fetched the run's config, then the coordinator went down (restarting, as the chaos
+    run does it): the trainer's first data request keeps asking until the coordinator is back,
+    instead of giving up at once; one that stays away is an error naming the flag and the URL."""
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(ConfigError, match=f"--coordinator: cannot reach {url} for the data's shards"):
+        CoordinatorShards.offered(url, reach_s=1.0)
+
+    coordinator = None
+
+    def start_later() -> None:
+        nonlocal coordinator
+        time.sleep(2.0)
+        coordinator, _ = start_coordinator(TINY, tmp_path / "coordinator.log", port=port)
+
+    starter = threading.Thread(target=start_later)
+    starter.start()
+    try:
+        assert CoordinatorShards.offered(url, reach_s=60.0) is True
+    finally:
+        starter.join()
+        if coordinator is not None:
+            stop_all([coordinator])

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_S = 10.0
 UNREACHABLE_WARN_S = 10.0  # say so once the coordinator has been out of reach this long
+REACH_S = 30.0  # how long a starting trainer asks a coordinator out of reach (restarting) for the shards
 
 
 class LeaseLost(RuntimeError):
@@ -67,13 +68,21 @@ class CoordinatorShards:
         self._renewer.start()
 
     @classmethod
-    def offered(cls, url: str, join_token: str | None = None) -> bool:
-        """Whether the coordinator at `url` leases shards (one that cannot list the run's data does not)."""
+    def offered(cls, url: str, join_token: str | None = None, reach_s: float = REACH_S) -> bool:
+        """Whether the coordinator at `url` leases shards (one that cannot list the run's data does not).
+        The trainer has just fetched the run's config from it: one out of reach now is restarting,
+        and is asked again for up to `reach_s`."""
         headers = {"Authorization": bearer(join_token)} if join_token else {}
-        try:
-            response = httpx.get(url.rstrip("/") + "/api/v1/data", headers=headers, timeout=TIMEOUT_S)
-        except httpx.HTTPError as err:
-            raise ConfigError(f"--coordinator: cannot reach {url} for the data's shards: {err}") from None
+        deadline = time.monotonic() + reach_s
+        while True:
+            try:
+                response = httpx.get(url.rstrip("/") + "/api/v1/data", headers=headers, timeout=TIMEOUT_S)
+                break
+            except httpx.HTTPError as err:
+                if time.monotonic() >= deadline:
+                    raise ConfigError(f"--coordinator: cannot reach {url} for the data's shards: {err}") from None
+                log.warning(f"coordinator {url} out of reach ({err}); asking again for its data's shards")
+                time.sleep(1.0)
         if response.status_code == 404:
             return False
         answer(url, response, join_token)
