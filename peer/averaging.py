@@ -16,6 +16,15 @@ the replicas stay identical. The step number is hivemind's epoch, and the learni
 follows it. A peer that joins downloads the stage's weights, optimizer state and step from live
 peers (`load_state`) before it serves.
 
+With `[averaging] mode = "diloco"` (DiLoCo, Douillard et al. 2023, inside each stage) the replicas
+average far less often: each applies its own gradient every step with an AdamW of its own (the inner
+steps), and every `inner_steps` steps they average their pseudo-gradients, the outer weights minus
+their inner ones, weighted by the samples each served in the phase; hivemind applies the outer step
+(SGD with Nesterov momentum, swarm/optim.py `OuterNesterov`) to the outer weights, which it holds
+and hands to joiners with the outer momentum, and every replica starts the next phase from them.
+Between two outer steps the replicas' weights differ (the trainers check answers only in the first
+step of a phase, swarm/trainer/spotcheck.py); the digests compare the outer weights.
+
 What goes into the average is guarded: a peer whose gradient is not finite contributes no samples
 (its gradient is dropped), each contribution is clipped (`clip_contribution`), and a step whose
 averaged gradient is not finite is not applied (`ClippedAdamW` skips it).
@@ -56,7 +65,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from peer.allreduce import COMPRESSIONS, ExactAllReduceRunner
 from peer.checkpoint import Checkpoint
 from swarm.config import RunConfig
-from swarm.optim import make_optimizer, param_groups, primed
+from swarm.optim import make_optimizer, make_outer_optimizer, param_groups, primed
 from swarm.receipts import capped_weight, credible_samples, most_declared, sample_caps
 from swarm.records import (
     TTL_S,
@@ -89,6 +98,12 @@ def grads_finite(module: torch.nn.Module) -> bool:
         return True
     norms = torch._foreach_norm(grads)
     return bool(torch.isfinite(torch.stack(norms)).all())
+
+
+def scale_grads(module: torch.nn.Module, factor: float) -> None:
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
 
 
 def drop_grads(module: torch.nn.Module) -> None:
@@ -215,10 +230,16 @@ class CappedGradientAverager(GradientAverager):
     def __init__(self, *args, global_batch: int, **kwargs):
         self.global_batch = global_batch
         self.caps: dict[str, float] | None = None  # in the averager's process
+        self.weight: float | None = None  # in the replica's process: overrides the samples accumulated
         # Bytes this replica reduced for the others in all rounds so far (ExactAllReduceRunner
         # reduced_bytes), counted in the averager's process, read in the replica's.
         self.reduced_bytes = multiprocessing.Value(ctypes.c_double, 0.0)
         super().__init__(*args, **kwargs)
+
+    def step(self, weight: float | None = None, **kwargs):
+        """hivemind's step, this replica weighing `self.weight` when set (diloco: a phase's samples)
+        rather than the samples accumulated toward this one step."""
+        return super().step(weight=self.weight if weight is None else weight, **kwargs)
 
     def cap(self, caps: dict[str, float] | None) -> None:
         """Cap the senders' weights in the rounds to come (peer id -> the most it may weigh)."""
@@ -472,7 +493,10 @@ def set_epoch(opt: hivemind.Optimizer, step: int) -> None:
         averager.local_epoch = step
         averager._update_scheduler()
     opt.grad_averager.reset_accumulated_grads_()
-    opt.tracker.report_local_progress(step, 0)
+    with opt.tracker.pause_updates():
+        # As hivemind's own epoch transition: its check that this replica is in sync waits for a
+        # fetch of the new epoch's progress rather than comparing with one of the last epoch's.
+        opt.tracker.update_epoch(step)
     offer(averager, step)
     offer(opt.grad_averager, step)
 
@@ -517,8 +541,27 @@ class SwarmUpdater:
         self.check = ReplicaCheck(dht, run.run_id, stage)
         self.last_step: dict = {}
         self.rounds: collections.deque[float] = collections.deque(maxlen=self.ROUND_HISTORY)  # seconds, groups >= 2
-        groups = param_groups(module, t.weight_decay)
         self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s, idle)
+        self.diloco = a.mode == "diloco"
+        self.phase_samples = 0  # diloco: samples this replica stepped on since the last outer step
+        self.inner_at: tuple[int, int] | None = None  # diloco: the step whose inner step is applied, its samples
+        if self.diloco:
+            # hivemind holds the outer weights, the ones the stage's replicas agree on, with the outer
+            # momentum: it averages their pseudo-gradients and hands both to joiners. The module holds
+            # this replica's inner weights, which its own AdamW steps on the microbatches it serves.
+            self.inner_params = [p for p in module.parameters() if p.requires_grad]
+            self.held: torch.nn.Module = torch.nn.ParameterList(
+                [torch.nn.Parameter(p.detach().clone()) for p in self.inner_params]
+            )
+            self.inner: torch.optim.Optimizer | None = primed(make_optimizer(param_groups(module, t.weight_decay), run))
+            groups = [{"params": list(self.held.parameters())}]
+            optimizer, scheduler = partial(make_outer_optimizer, run=run), None
+        else:
+            self.held, self.inner = module, None
+            groups = param_groups(module, t.weight_decay)
+            optimizer = lambda groups: primed(make_optimizer(groups, run, global_norm=self.norms))  # noqa: E731
+            # hivemind steps the scheduler once per epoch: the rate of global step e is lr_at(e).
+            scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_at(e, t) / t.lr)  # noqa: E731
         self.opt = hivemind.Optimizer(
             dht=dht,
             # hivemind 1.1.12 inherits the DHT's client mode in its averagers but not in the Optimizer
@@ -528,9 +571,8 @@ class SwarmUpdater:
             run_id=self.prefix,
             target_batch_size=t.global_batch,
             params=groups,
-            optimizer=lambda groups: primed(make_optimizer(groups, run, global_norm=self.norms)),
-            # hivemind steps the scheduler once per epoch: the rate of global step e is lr_at(e).
-            scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_at(e, t) / t.lr),
+            optimizer=optimizer,
+            scheduler=scheduler,
             matchmaking_time=a.matchmaking_time_s,
             averaging_timeout=a.averaging_timeout_s,
             next_chunk_timeout=a.chunk_timeout_s,
@@ -555,6 +597,9 @@ class SwarmUpdater:
                 "max_refresh_period": 0.5,
                 "default_refresh_period": 0.5,
                 "metadata_expiration": TTL_S,
+                # The node's key rather than hivemind's process-wide one: two replicas in one process
+                # (tests) would otherwise write each other's progress report.
+                "private_key": getattr(dht, "record_key", None),
             },
         )
         self.gone: set[bytes] = set()  # replicas that did not answer at the last step: not counted
@@ -574,7 +619,8 @@ class SwarmUpdater:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self.opt.state_averager.optimizer
+        """The optimizer of the module's weights (diloco: this replica's inner AdamW)."""
+        return self.inner if self.inner is not None else self.opt.state_averager.optimizer
 
     def served(self, pending: int) -> None:
         """Tell the stage's tracker how many samples this peer holds gradients for."""
@@ -641,20 +687,34 @@ class SwarmUpdater:
         """Hand this peer's gradient to the stage's all-reduce and apply the average; returns the
         samples used (0 when no step was taken).
 
-        `force`: end the epoch even if the count falls short (the trainer has moved on)."""
-        t = self.run.training
-        if not grads_finite(self.module):
-            drop_grads(self.module)
+        `force`: end the epoch even if the count falls short (the trainer has moved on).
+
+        diloco: every step applies this replica's own gradient with its inner AdamW; the last step of
+        each phase of `inner_steps` then averages the pseudo-gradients (outer minus inner weights)
+        and takes the outer step, which every replica leaves with the same weights."""
+        t, a = self.run.training, self.run.averaging
+        if self.diloco:
+            pending = self._inner_step(pending)
+            if (self.epoch + 1) % a.inner_steps:
+                return self._next_inner_step(pending)
+            with torch.no_grad():
+                for outer, inner in zip(self.held.parameters(), self.inner_params, strict=True):
+                    outer.grad = outer.detach() - inner.detach()
+            # Weighted by the samples of the whole phase (at least 1: a replica that served nothing
+            # hands over a zero pseudo-gradient).
+            self.opt.grad_averager.weight = max(1, self.phase_samples)
+        if not grads_finite(self.held):
+            drop_grads(self.held)
             self.dropped += 1
             log.warning(f"stage {self.stage} step {self.epoch}: dropped a non-finite gradient of {pending} samples")
             pending = 0
         scale = 1.0  # applied to .grad for the all-reduce; undone when no step is taken
-        if pending > 0:
+        if pending > 0 and not self.diloco:
             # .grad holds (pending / global batch) x this peer's mean gradient; hivemind averages
             # contributions weighted by their samples, so hand it the mean, clipped.
             scale = t.global_batch / pending
-            self._scale(scale)
-            clipped = clip_contribution(self.module, self.contribution_bound)
+            scale_grads(self.held, scale)
+            clipped = clip_contribution(self.held, self.contribution_bound)
             if clipped < 1.0:
                 scale *= clipped
                 self.clipped += 1
@@ -689,8 +749,12 @@ class SwarmUpdater:
             averager.local_samples_accumulated = max(0, averager.local_samples_accumulated - self.declared(pending))
             averager.local_times_accumulated = max(0, averager.local_times_accumulated - 1)
             if scale != 1.0:
-                self._scale(1.0 / scale)
+                scale_grads(self.held, 1.0 / scale)
             return 0
+        if self.diloco:
+            # The outer step is taken (or, group 0 below, not: then the stage's state is loaded):
+            # the next phase starts from the outer weights.
+            self._start_phase()
         group = group_size(self.opt, control)
         optimizer = self.opt.state_averager.optimizer
         if optimizer.skipped:
@@ -728,8 +792,52 @@ class SwarmUpdater:
             # replicas now disagree evenly). The digests settle it either way: the majority, or on
             # a tie the smallest peer id, keeps its state and the rest load it.
             log.info(f"stage {self.stage} step {before}: averaged alone with {pending} samples")
-        self.check.publish(self.epoch, weights_digest(self.module))
+        self.check.publish(self.epoch, weights_digest(self.held))
         return pending
+
+    def _inner_step(self, pending: int) -> int:
+        """diloco: apply this replica's gradient of the current step with its own AdamW, at the step's
+        learning rate, once (a step tried again does not apply it twice); returns the samples used."""
+        if self.inner_at is not None and self.inner_at[0] == self.epoch:
+            return self.inner_at[1]
+        t = self.run.training
+        if not grads_finite(self.module):
+            drop_grads(self.module)
+            self.dropped += 1
+            log.warning(f"stage {self.stage} step {self.epoch}: dropped a non-finite gradient of {pending} samples")
+            pending = 0
+        if pending > 0:
+            scale_grads(self.module, t.global_batch / pending)  # this replica's mean gradient
+            for group in self.inner.param_groups:
+                group["lr"] = lr_at(self.epoch, t)
+            self.inner.step()
+        self.module.zero_grad(set_to_none=False)
+        self.inner_at = (self.epoch, pending)
+        self.phase_samples += pending
+        return pending
+
+    def _next_inner_step(self, pending: int) -> int:
+        """diloco, within a phase: move on to the next step without an all-reduce."""
+        before = self.epoch
+        set_epoch(self.opt, before + 1)
+        self.last_step = {"step": before, "samples": pending, "group": 1, "s": 0.0, "reduced_bytes": 0}
+        log.info(
+            "stage %d step %d: %d samples, inner step %d of %d",
+            self.stage,
+            before,
+            pending,
+            before % self.run.averaging.inner_steps + 1,
+            self.run.averaging.inner_steps,
+        )
+        self.check.publish(self.epoch, weights_digest(self.held))
+        return pending
+
+    def _start_phase(self) -> None:
+        """diloco: the inner weights become the outer ones (after an outer step or a load)."""
+        with torch.no_grad():
+            for inner, outer in zip(self.inner_params, self.held.parameters(), strict=True):
+                inner.copy_(outer)
+        self.phase_samples, self.inner_at = 0, None
 
     def _stall_s(self) -> float | None:
         """The longest this step's all-reduce may run before this replica steps alone: STALL_FACTOR x
@@ -743,7 +851,10 @@ class SwarmUpdater:
 
     def _caps(self) -> dict[str, float] | None:
         """The most each replica of the stage may weigh in this step's all-reduce, from the trainers'
-        receipts (swarm/receipts.py)."""
+        receipts (swarm/receipts.py). diloco: none (the receipts count one step's samples; a phase's
+        pseudo-gradient weighs a phase's)."""
+        if self.diloco:
+            return None
         key = str(self.stage)
         receipts = [t.served.get(key, {}) for t in read_trainers(self.opt.dht, self.run.run_id)]
         members = stage_members(self.opt.dht, self.run.run_id, self.stage)
@@ -755,28 +866,37 @@ class SwarmUpdater:
         one's gradient norm (its share of the skipped steps is 0: it applies nothing)."""
         if step <= self.epoch:
             return
+        if self.diloco and (self.epoch + 1) % self.run.averaging.inner_steps:
+            # One of this phase's inner steps, not applied here (the others may have): ready for the next.
+            self.inner_at = None
         # Only the last few: the other stages wait for the shares of the steps they are taking now.
         for skipped in range(max(self.epoch, step - NormExchange.SKIPPED_SHARES), step):
             self.norms.publish(skipped, 0.0)
         set_epoch(self.opt, step)
-        self.check.publish(self.epoch, weights_digest(self.module))
-
-    def _scale(self, factor: float) -> None:
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        self.check.publish(self.epoch, weights_digest(self.held))
 
     def load_state(self) -> str:
         """Take the stage's weights, optimizer state and step from live peers, if there are any;
         returns where the state came from."""
+        if self.diloco and not self.missed and self.epoch < (ahead := self.opt.tracker.global_epoch):
+            H = self.run.averaging.inner_steps
+            if ahead // H == self.epoch // H:
+                # Only inner steps in between: the outer weights are these; this replica keeps its
+                # own inner progress and moves on to the stage's step.
+                set_epoch(self.opt, ahead)
+                self.inner_at = None
+                self.check.publish(self.epoch, weights_digest(self.held))
+                return f"the stage's step {ahead} (same outer weights)"
         others = self._state_holders() - {self.opt.dht.peer_id.to_bytes()}
-        digest = weights_digest(self.module)
+        digest = weights_digest(self.held)
         if others:
             self.opt.load_state_from_peers()
+            if self.diloco:
+                self._start_phase()
             self.loaded_at = self.epoch
             # At step 0 the stage's state is the seeded init, whoever handed it over.
             self.source = f"peers of stage {self.stage} at step {self.epoch}" if self.epoch else "the seeded init"
-            if self.missed and weights_digest(self.module) == digest:
+            if self.missed and weights_digest(self.held) == digest:
                 # Nothing came (the others were still mid-step: hivemind refuses a state older than
                 # its own): stay marked, and try again, a few times.
                 self.failed_loads += 1
@@ -785,7 +905,7 @@ class SwarmUpdater:
                 log.info(f"stage {self.stage} step {self.epoch}: no peer offers a newer state; keeping this one")
         self.missed, self.failed_loads = False, 0
         offer(self.opt.state_averager, self.epoch)
-        self.check.publish(self.epoch, weights_digest(self.module))
+        self.check.publish(self.epoch, weights_digest(self.held))
         return self.source
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> str:
@@ -797,11 +917,16 @@ class SwarmUpdater:
         averager = self.opt.state_averager
         with averager.lock_averaged_tensors:
             snapshot.apply(self.module, self.optimizer)
+            if self.diloco:  # the checkpoint's weights are the outer ones too (the outer momentum starts at 0)
+                with torch.no_grad():
+                    for outer, inner in zip(self.held.parameters(), self.inner_params, strict=True):
+                        outer.copy_(inner)
+                self.phase_samples, self.inner_at = 0, None
         averager._load_local_tensors_into_averager_()  # as load_state_from_peers does after a download
         set_epoch(self.opt, snapshot.step)
         self.missed, self.failed_loads = False, 0
         self.source = f"checkpoint step {self.epoch}"
-        self.check.publish(self.epoch, weights_digest(self.module))
+        self.check.publish(self.epoch, weights_digest(self.held))
         return self.source
 
     def _state_holders(self) -> set[bytes]:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 Codec = Literal["none", "fp16", "bf16", "int8"]
 DType = Literal["float32", "bfloat16", "float16"]
 GradCompression = Literal["none", "fp16", "int8"]
+AveragingMode = Literal["gradients", "diloco"]
 
 
 class ConfigError(ValueError):
@@ -197,6 +198,16 @@ class AveragingConfig(_Strict):
         "none",
         description="what the all-reduce sends: none (4 bytes a value), fp16 (2), int8 (1, blocks of 256 with a scale)",
     )
+    mode: AveragingMode = Field(
+        "gradients",
+        description="gradients: average every step's gradient; diloco: inner_steps local AdamW steps per replica, "
+        "then average the replicas' pseudo-gradients and take an outer Nesterov step",
+    )
+    inner_steps: int = Field(
+        10, ge=1, le=100_000, description="diloco: local steps between two averagings (H): H-fold fewer bytes averaged"
+    )
+    outer_lr: float = Field(0.7, gt=0, le=10, description="diloco: the outer step's learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer step's Nesterov momentum")
 
     @model_validator(mode="after")
     def _timeouts(self) -> AveragingConfig:

@@ -19,6 +19,29 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def _grads(opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], float]:
+    """The optimizer's gradients and their squared norm (not finite when one of them is not)."""
+    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    return grads, float(torch.stack(torch._foreach_norm(grads)).pow(2).sum()) if grads else 0.0
+
+
+class OuterNesterov(torch.optim.SGD):
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum on the averaged pseudo-gradient (the
+    outer weights minus a replica's weights after its inner steps), skipping a step whose average is
+    not finite, as ClippedAdamW does."""
+
+    def __init__(self, params, lr: float, momentum: float):
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self.skipped = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not math.isfinite(_grads(self)[1]):
+            self.skipped += 1
+            return None
+        return super().step(closure)
+
+
 class ClippedAdamW(torch.optim.AdamW):
     """AdamW that clips the gradient norm first (`clip` 0: no clipping), and skips a step whose
     gradient is not finite.
@@ -34,8 +57,7 @@ class ClippedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        squared = float(torch.stack(torch._foreach_norm(grads)).pow(2).sum()) if grads else 0.0
+        grads, squared = _grads(self)
         if not math.isfinite(squared):
             self.skipped += 1  # a NaN or Inf would poison the weights and the moments for good
             return None
@@ -77,3 +99,8 @@ def primed(opt: torch.optim.AdamW) -> torch.optim.AdamW:
     for state in opt.state.values():
         state["step"].zero_()
     return opt
+
+
+def make_outer_optimizer(params, run: RunConfig) -> OuterNesterov:
+    a = run.averaging
+    return OuterNesterov(params, lr=a.outer_lr, momentum=a.outer_momentum)

@@ -273,6 +273,7 @@ def make_dht(
     if record_key is RSAPrivateKey.process_wide():
         _process_wide_nodes.add(dht)
     dht.record_owner = validator.local_public_key.decode()  # what this node's subkeys end with
+    dht.record_key = record_key  # and what they are signed with (hivemind's progress tracker signs with it too)
     return dht
 
 

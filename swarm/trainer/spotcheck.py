@@ -115,6 +115,11 @@ class SpotCheckCaller:
         )
 
     def _due(self, stage: int, name: str) -> bool:
+        a = self.run.averaging
+        if a.mode == "diloco" and int(name.split(".", 1)[0]) % a.inner_steps:
+            # Between two outer steps each replica of a stage holds weights of its own: answers agree
+            # only in a phase's first step, when every replica starts from the outer weights.
+            return False
         peers = self.members.live(stage)
         hosts = self.members.hosts(stage)
         return len(one_per_host(peers, lambda p: hosts.get(p, p))) >= 2 and self.spot.due(stage, name, peers)

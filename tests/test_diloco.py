@@ -1,0 +1,170 @@
+"""DiLoCo inside a stage (`[averaging] mode = "diloco"`, peer/averaging.py): real replicas of stage 1,
+each on a DHT node of its own, driven step by step in one process: inner steps apart, an outer step
+that leaves them bitwise equal at the value DiLoCo's update gives, a joiner mid-phase that takes the
+outer weights and momentum, and a replica whose partner left keeping its own inner progress."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from peer.averaging import SwarmUpdater, live_partners, weights_digest
+from swarm.model import Stage
+from swarm.optim import make_optimizer, param_groups, primed
+from swarm.schedule import lr_at
+from tests.test_averaging import FAST_AVERAGING, StageOne, config_with
+
+H = 3  # inner steps per phase
+
+
+@pytest.fixture
+def stage_one(tmp_path):
+    extra = FAST_AVERAGING + f'mode = "diloco"\ninner_steps = {H}\nsync_timeout_s = 1.0\n'
+    _, run = config_with(tmp_path, extra)
+    stage = StageOne(run)
+    yield stage
+    stage.close()
+
+
+def gradient(run, seed: int) -> list[torch.Tensor]:
+    """A gradient for stage 1's parameters, different per seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) * 1e-2 for p in Stage(run, 1).parameters()]
+
+
+def weights(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def serve(replica: SwarmUpdater, grad: list[torch.Tensor], samples: int) -> None:
+    """As the worker does: the step's gradient, `samples`/global batch of this replica's mean."""
+    share = samples / replica.run.training.global_batch
+    for p, g in zip(replica.module.parameters(), grad, strict=True):
+        p.grad = g * share
+    replica.served(samples)
+
+
+def see_each_other(replicas: list[SwarmUpdater], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while any(len(live_partners(r.opt)) < len(replicas) - 1 for r in replicas):
+        assert time.monotonic() < deadline, "the replicas never saw each other"
+        time.sleep(0.1)
+
+
+def take_step(replicas: list[SwarmUpdater], grads: list[list[torch.Tensor]], samples: int) -> None:
+    """One global step on every replica at once (an outer step's all-reduce needs them together)."""
+    for r, g in zip(replicas, grads, strict=True):
+        serve(r, g, samples)
+    if (replicas[0].epoch + 1) % H == 0 and len(replicas) > 1:
+        see_each_other(replicas)
+    deadline = time.monotonic() + 30
+    while not all(r.ready(samples) for r in replicas):  # as the stepper waits
+        assert time.monotonic() < deadline, "the stage's count never reached the global batch"
+        time.sleep(0.05)
+    before = [r.epoch for r in replicas]
+    with ThreadPoolExecutor(len(replicas)) as pool:
+        used = list(pool.map(lambda r: r.step(samples), replicas))
+    assert used == [samples] * len(replicas)
+    assert [r.epoch for r in replicas] == [b + 1 for b in before]
+
+
+def inner_phase(run, start: list[torch.Tensor], grads: list[list[torch.Tensor]], first: int) -> list[torch.Tensor]:
+    """What one replica's AdamW makes of `start` with gradient `grads[k]` at step first + k."""
+    module = Stage(run, 1)
+    with torch.no_grad():
+        for p, w in zip(module.parameters(), start, strict=True):
+            p.copy_(w)
+    opt = primed(make_optimizer(param_groups(module, run.training.weight_decay), run))
+    for k, grad in enumerate(grads):
+        for p, g in zip(module.parameters(), grad, strict=True):
+            p.grad = g.clone()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(first + k, run.training)
+        opt.step()
+    return weights(module)
+
+
+def test_an_outer_step_averages_the_pseudo_gradients_and_leaves_the_replicas_bitwise_equal(stage_one):
+    run, a_ = stage_one.run, stage_one
+    a = a_.replica(a_.node(stage=1))
+    b = a_.replica(a_.node(stage=1))
+    start = weights(a.module)
+    ga, gb = gradient(run, 1), gradient(run, 2)
+    half = run.training.global_batch // 2
+    digest = weights_digest(a.held)
+    for step in range(H - 1):
+        take_step([a, b], [ga, gb], half)
+        assert weights_digest(a.held) == weights_digest(b.held) == digest  # the outer weights stay
+        assert a.last_step["reduced_bytes"] == 0  # nothing averaged in an inner step
+    differ = max((x - y).abs().max().item() for x, y in zip(weights(a.module), weights(b.module), strict=True))
+    assert differ > 0, "inner steps on different gradients left the replicas equal"
+
+    take_step([a, b], [ga, gb], half)  # the phase's last step: the outer step
+    assert a.last_step["group"] == b.last_step["group"] == 2, (a.last_step, b.last_step)
+    assert a.last_step["reduced_bytes"] > 0
+    for x, y in zip(weights(a.module), weights(b.module), strict=True):
+        assert torch.equal(x, y), "the replicas left the outer step apart"
+    assert weights_digest(a.module) == weights_digest(a.held)
+
+    # DiLoCo's update: pseudo-gradients averaged (equal samples: equal weights), then Nesterov SGD,
+    # whose first step with an empty buffer is (1 + momentum) x the gradient.
+    inner_a = inner_phase(run, start, [ga] * H, 0)
+    inner_b = inner_phase(run, start, [gb] * H, 0)
+    av = run.averaging
+    for got, s, x, y in zip(weights(a.module), start, inner_a, inner_b, strict=True):
+        pseudo = ((s - x) + (s - y)) / 2
+        expected = s - av.outer_lr * (1 + av.outer_momentum) * pseudo
+        assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
+    assert max((x - s).abs().max().item() for x, s in zip(weights(a.module), start, strict=True)) > 1e-4
+
+
+def test_a_joiner_mid_phase_takes_the_outer_weights_and_momentum_and_ends_the_next_phase_equal(stage_one):
+    run, st = stage_one.run, stage_one
+    a = st.replica(st.node(stage=1))
+    b = st.replica(st.node(stage=1))
+    half = run.training.global_batch // 2
+    for step in range(H + 1):  # one whole phase, and one inner step of the next
+        take_step([a, b], [gradient(run, 10 + step), gradient(run, 20 + step)], half)
+    outer = weights(a.held)
+    assert any(not torch.equal(x, y) for x, y in zip(weights(a.module), outer, strict=True))
+
+    c = st.replica(st.node(stage=1))  # loads the stage's state as a peer starting does
+    assert c.epoch == H + 1
+    assert all(torch.equal(x, y) for x, y in zip(weights(c.module), outer, strict=True)), "not the outer weights"
+    momentum = [c.opt.state_averager.optimizer.state[p]["momentum_buffer"] for p in c.held.parameters()]
+    theirs = [a.opt.state_averager.optimizer.state[p]["momentum_buffer"] for p in a.held.parameters()]
+    assert all(torch.equal(x, y) for x, y in zip(momentum, theirs, strict=True)) and theirs[0].abs().sum() > 0
+
+    third = run.training.global_batch // 3 + 1  # three replicas fill the global batch
+    while a.epoch % H:
+        take_step([a, b, c], [gradient(run, 30 + a.epoch + k) for k in range(3)], third)
+    assert a.last_step["group"] == 3, a.last_step
+    for x, y, z in zip(weights(a.module), weights(b.module), weights(c.module), strict=True):
+        assert torch.equal(x, y) and torch.equal(x, z)
+
+
+def test_a_replica_whose_partner_left_mid_phase_keeps_its_own_inner_progress(stage_one):
+    run, st = stage_one.run, stage_one
+    a = st.replica(st.node(stage=1))
+    b = st.replica(st.node(stage=1))
+    start = weights(a.module)
+    ga, gb = gradient(run, 1), gradient(run, 2)
+    half = run.training.global_batch // 2
+    take_step([a, b], [ga, gb], half)
+    b.close()
+    st.replicas.remove(b)
+    started = time.monotonic()
+    for _ in range(H - 1):  # the trainers now send a the whole batch; its mean gradient stays ga
+        take_step([a], [ga], run.training.global_batch)
+    assert time.monotonic() - started < 20
+    assert a.epoch == H and a.last_step["group"] == 1, a.last_step
+    # Its outer step used its own pseudo-gradient alone: nothing of its phase was lost, nothing of b's
+    # half phase came in.
+    inner_a = inner_phase(run, start, [ga] * H, 0)
+    av = run.averaging
+    for got, s, x in zip(weights(a.module), start, inner_a, strict=True):
+        expected = s - av.outer_lr * (1 + av.outer_momentum) * (s - x)
+        assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
