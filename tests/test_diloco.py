@@ -95,7 +95,7 @@ def test_an_outer_step_averages_the_pseudo_gradients_and_leaves_the_replicas_bit
     ga, gb = gradient(run, 1), gradient(run, 2)
     half = run.training.global_batch // 2
     digest = weights_digest(a.held)
-    for step in range(H - 1):
+    for _ in range(H - 1):
         take_step([a, b], [ga, gb], half)
         assert weights_digest(a.held) == weights_digest(b.held) == digest  # the outer weights stay
         assert a.last_step["reduced_bytes"] == 0  # nothing averaged in an inner step

@@ -9,7 +9,6 @@ bytes a hostile relay would read) holds none of the call's plaintext.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import socket
 import threading
