@@ -1,10 +1,12 @@
 """`python -m benchmarks averaging`: the swarm with per-stage averaging against the reference trainer.
 
-In one run: `swarm train --local` on the config, then for each variant (`--variants`: the wire codec
-and `[averaging] compression`, e.g. `none/int8`) a coordinator, S stages x R replicas of `swarm peer
+In one run: `swarm train --local` on the config, then for each variant (`--variants`: the wire codec,
+`[averaging] compression` and mode, e.g. `none/int8` or, DiLoCo with 10 inner steps, `int8/int8/diloco10`)
+a coordinator, S stages x R replicas of `swarm peer
 --no-rebalance --threads 1` and `swarm train --coordinator URL`, the same number of global steps
 with the same data order and global batch. Every peer of a stage averages its gradients with the
-others (hivemind.Optimizer), so the swarm should follow the reference's loss curve.
+others (hivemind.Optimizer) every step, or, DiLoCo, its pseudo-gradient every H steps; the swarm
+should follow the reference's loss curve.
 
 Definitions:
 - final loss = mean training loss of the last `--tail` steps (one step's loss is noisy);
@@ -14,7 +16,8 @@ Definitions:
 - averaging bytes / param / step = the bytes the stages' all-reduces moved (each replica counts the
   parts it reduced for the others, received and sent back: peer/allreduce.py; from the peers'
   `--log-steps` lines), over the model's parameters and the steps: what one replica's link carries
-  (up and down together) when each stage has 2 replicas.
+  (up and down together) when each stage has 2 replicas; per token: the same over the tokens of a
+  global batch.
 
 Writes one row per codec, the loss curves (every `--every` steps) as a table in results.md, and
 the plot benchmarks/averaging_loss.svg.
@@ -34,23 +37,25 @@ from typing import get_args
 from benchmarks.common import (
     ROOT,
     Proc,
+    averaging_spec,
     final_loss,
     last_val,
     log_dir,
     read_jsonl,
     read_step_logs,
+    spec_name,
     start_coordinator,
     start_peer,
     stop_all,
     wait_online,
-    with_compression,
+    with_averaging,
 )
 from benchmarks.plot import line_chart
 from benchmarks.results import append_row, replace_section, target
-from swarm.config import Codec, GradCompression, load_config
+from swarm.config import Codec, load_config
 from swarm.model import build_stages
 
-SECTION = "averaging: S stages x R replicas (averaged) ÷ the reference trainer, by wire codec and averaging compression"
+SECTION = "averaging: S stages x R replicas ÷ the reference trainer, by wire codec and averaging (mode, compression)"
 CURVES = "averaging: loss curves"
 PLOT_NAME = "averaging_loss.svg"  # beside the results file
 GOALS = {"none": 0.02, "int8": 0.03}  # by wire codec
@@ -63,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--variants",
         type=variants,
-        default="none/none,none/int8,int8/int8",
-        help="comma-separated WIRE/AVERAGING pairs: the wire codec and [averaging] compression of each swarm run",
+        default="none/none,none/int8,int8/int8,int8/int8/diloco10",
+        help="comma-separated WIRE/COMPRESSION[/dilocoH]: the wire codec, [averaging] compression and (DiLoCo, H "
+        "inner steps) mode of each swarm run",
     )
     p.add_argument("--matchmaking", type=float, default=0.5, help="averaging.matchmaking_time_s (loopback)")
     p.add_argument("--tail", type=int, default=10, help="steps averaged into the final loss")
@@ -73,24 +79,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def variants(text: str) -> list[tuple[str, str]]:
-    """`none/int8,int8/int8` -> [("none", "int8"), ("int8", "int8")], each checked against the config's choices."""
+    """`none/int8,int8/int8/diloco10` -> [("none", "int8"), ("int8", "int8/diloco10")], each checked against
+    the config's choices (benchmarks/common.py `averaging_spec`)."""
     out = []
     for item in (i.strip() for i in text.split(",") if i.strip()):
         wire, _, averaging = item.partition("/")
-        if wire not in get_args(Codec) or averaging not in get_args(GradCompression):
-            raise argparse.ArgumentTypeError(
-                f"{item!r}: WIRE/AVERAGING with WIRE one of {', '.join(get_args(Codec))} and AVERAGING one of "
-                f"{', '.join(get_args(GradCompression))}"
-            )
-        out.append((wire, averaging))
+        if wire not in get_args(Codec):
+            raise argparse.ArgumentTypeError(f"{item!r}: WIRE/... with WIRE one of {', '.join(get_args(Codec))}")
+        out.append((wire, spec_name(averaging_spec(averaging))))
     if not out:
         raise argparse.ArgumentTypeError("no variant given")
     return out
 
 
-def variant(config: Path, codec: str, compression: str, matchmaking: float) -> str:
-    """The config's text with the wire codec and the averaging compression set, and loopback averaging
-    timeouts (unless it sets its own)."""
+def variant(config: Path, codec: str, averaging: str, matchmaking: float) -> str:
+    """The config's text with the wire codec and the averaging (`averaging_spec`) set, and loopback
+    averaging timeouts (unless it sets its own)."""
     text = config.read_text()
     if re.search(r'(?m)^codec = "\w+"', text):
         text = re.sub(r'(?m)^codec = "\w+"', f'codec = "{codec}"', text)
@@ -98,7 +102,7 @@ def variant(config: Path, codec: str, compression: str, matchmaking: float) -> s
         text += f'\n[wire]\ncodec = "{codec}"\n'
     if "[averaging]" not in text:
         text += f"\n[averaging]\nmatchmaking_time_s = {matchmaking}\nrequest_timeout_s = {matchmaking * 0.6:g}\n"
-    return with_compression(text, compression)
+    return with_averaging(text, averaging_spec(averaging))
 
 
 def run_swarm(config: Path, stages: int, replicas: int, steps: int, tmp: Path) -> tuple[list[dict], float, int]:
@@ -152,15 +156,18 @@ def run(args: argparse.Namespace) -> str:
     local = read_jsonl(local_log)
     curves = {"reference (--local)": local}
     rows = []
-    for codec, compression in args.variants:
-        run_dir = tmp / f"{codec}-{compression}"
+    tokens = cfg.training.global_batch * cfg.model.seq_len  # per step
+    for codec, averaging in args.variants:
+        settings = averaging_spec(averaging)
+        compression, mode = settings["compression"], averaging.partition("/")[2] or "gradients"
+        run_dir = tmp / f"{codec}-{averaging.replace('/', '-')}"
         run_dir.mkdir(exist_ok=True)
         config = run_dir / "run.toml"
-        config.write_text(variant(Path(args.config), codec, compression, args.matchmaking))
+        config.write_text(variant(Path(args.config), codec, averaging, args.matchmaking))
         load_config(config)  # refuse a broken variant before starting processes
-        print(f"swarm: {cfg.stages.count} stages x {args.replicas} replicas, wire {codec}, averaging {compression}")
+        print(f"swarm: {cfg.stages.count} stages x {args.replicas} replicas, wire {codec}, averaging {averaging}")
         records, wall, moved = run_swarm(config, cfg.stages.count, args.replicas, args.steps, run_dir)
-        curves[f"swarm {cfg.stages.count}x{args.replicas}, {codec}/{compression}"] = records
+        curves[f"swarm {cfg.stages.count}x{args.replicas}, {codec}/{averaging}"] = records
         ref, ours = final_loss(local, args.tail), final_loss(records, args.tail)
         ratio = ours / ref
         goal = GOALS.get(codec, 0.03) if compression == "none" else 0.03
@@ -173,6 +180,7 @@ def run(args: argparse.Namespace) -> str:
                     "config",
                     "swarm",
                     "wire codec",
+                    "averaging mode",
                     "averaging compression",
                     "steps",
                     "reference final loss",
@@ -182,12 +190,14 @@ def run(args: argparse.Namespace) -> str:
                     "swarm val",
                     "swarm s/step",
                     "averaging bytes / param / step",
+                    "averaging bytes / param / token",
                     "notes",
                 ],
                 [
                     args.config,
                     f"{cfg.stages.count} x {args.replicas}",
                     codec,
+                    mode,
                     compression,
                     args.steps,
                     f"{ref:.4f}",
@@ -197,6 +207,7 @@ def run(args: argparse.Namespace) -> str:
                     f"{last_val(records):.4f}" if last_val(records) else "-",
                     f"{wall / args.steps:.2f}",
                     f"{per_param:.2f}",
+                    f"{per_param / tokens:.2e}",
                     f"goal within {goal:.0%}: {met}; final loss = mean of the last {args.tail} steps; "
                     f"{moved / 1e6:.1f} MB averaged over {params:,} parameters; "
                     f"matchmaking {args.matchmaking} s, loopback, 1 torch thread per peer",

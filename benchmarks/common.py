@@ -3,6 +3,7 @@ where the logs go, and reading what the trainer and the peers logged."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -10,10 +11,12 @@ import re
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 import httpx
 
 from swarm.children import JsonTail, Proc, start_coordinator, stop_all, survivors
+from swarm.config import GradCompression
 
 __all__ = ["JsonTail", "Proc", "start_coordinator", "stop_all", "survivors"]  # with the helpers below
 
@@ -104,9 +107,31 @@ def last_val(records: list[dict]) -> float | None:
     return vals[-1] if vals else None
 
 
-def with_compression(text: str, compression: str) -> str:
-    """A config's text with `[averaging] compression` set (the section added when missing)."""
-    line = f'compression = "{compression}"\n'
+def averaging_spec(text: str) -> dict:
+    """An averaging variant as benchmarks name it: `COMPRESSION` (gradients averaged every step) or
+    `COMPRESSION/dilocoH` (DiLoCo, H inner steps), e.g. `int8/diloco10` -> the [averaging] settings
+    {"compression": "int8", "mode": "diloco", "inner_steps": 10}; refused with the choices."""
+    compression, _, mode = text.strip().partition("/")
+    choices = ", ".join(get_args(GradCompression))
+    found = re.fullmatch(r"diloco(\d+)", mode)
+    if compression not in get_args(GradCompression) or (mode and (found is None or int(found.group(1)) < 1)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: COMPRESSION or COMPRESSION/dilocoH, with COMPRESSION one of {choices} and H >= 1 inner steps"
+        )
+    if not mode:
+        return {"compression": compression}
+    return {"compression": compression, "mode": "diloco", "inner_steps": int(found.group(1))}
+
+
+def spec_name(settings: dict) -> str:
+    """The name `averaging_spec` reads back."""
+    mode = f"/diloco{settings['inner_steps']}" if settings.get("mode") == "diloco" else ""
+    return settings["compression"] + mode
+
+
+def with_averaging(text: str, settings: dict) -> str:
+    """A config's text with these [averaging] settings (the section added when missing)."""
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
     if "[averaging]\n" not in text:
-        return text + f"\n[averaging]\n{line}"
-    return text.replace("[averaging]\n", f"[averaging]\n{line}", 1)
+        return text + f"\n[averaging]\n{lines}"
+    return text.replace("[averaging]\n", f"[averaging]\n{lines}", 1)

@@ -18,12 +18,11 @@ import math
 import tempfile
 import time
 from pathlib import Path
-from typing import get_args
 
-from benchmarks.common import with_compression
+from benchmarks.common import averaging_spec, spec_name, with_averaging
 from benchmarks.net import Internet, NetSwarm, by_name, unavailable
 from benchmarks.results import append_row
-from swarm.config import GradCompression, load_config
+from swarm.config import load_config
 
 SECTION = "wan: 2 stages x 2 peers on an emulated internet, every node at the same bandwidth"
 PEERS = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
@@ -40,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--compressions",
         type=compressions,
         default="none",
-        help="[averaging] compression of each run, comma-separated; the relay comparison uses the first",
+        help="averaging of each run, comma-separated: COMPRESSION (every step) or COMPRESSION/dilocoH (DiLoCo, "
+        "H inner steps); the relay comparison uses the first",
     )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from tokens/s")
@@ -96,9 +96,9 @@ NOTE = "no added latency (no netem); tokens/s after the warm-up steps"
 
 
 def compressions(text: str) -> list[str]:
-    chosen = [c.strip() for c in text.split(",") if c.strip()]
-    if not chosen or any(c not in get_args(GradCompression) for c in chosen):
-        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(get_args(GradCompression))}")
+    chosen = [spec_name(averaging_spec(c)) for c in text.split(",") if c.strip()]
+    if not chosen:
+        raise argparse.ArgumentTypeError(f"{text!r}: no averaging given")
     return chosen
 
 
@@ -111,13 +111,13 @@ def run(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory(prefix="swarm-wan-configs-") as tmp:
 
         def measure(compression: str, mbit: float, homes: set[str]) -> tuple[float, float]:
-            path = Path(tmp) / f"{compression}.toml"
-            path.write_text(with_compression(Path(args.config).read_text(), compression))
+            path = Path(tmp) / f"{compression.replace('/', '-')}.toml"
+            path.write_text(with_averaging(Path(args.config).read_text(), averaging_spec(compression)))
             steps, first = one_run(path, mbit, homes, args.steps, args.timeout_s)
             return tokens_per_s(steps, args.warmup, config), first
 
         for compression in args.compressions:
-            note = f"averaging compression {compression}; {NOTE}"
+            note = f"averaging {compression}; {NOTE}"
             for mbit in [float(x) for x in args.mbit.split(",")]:
                 rate = rates[compression, mbit] = measure(compression, mbit, set())[0]
                 print(f"{mbit:g} Mbit/s, averaging {compression}, direct: {rate:,.0f} tokens/s", flush=True)

@@ -24,7 +24,7 @@ from tests.conftest import ROOT
 
 LOGS = ("--log-dir", "{tmp}/logs")  # the benchmarks that start processes keep their logs with the test
 TINY = {
-    "averaging": ["--steps", "3", "--variants", "none/int8", "--every", "1", "--tail", "2", *LOGS],
+    "averaging": ["--steps", "3", "--variants", "none/int8,none/int8/diloco3", "--every", "1", "--tail", "2", *LOGS],
     "chaos": [
         *("--stages", "2", "--per-stage", "2", "--steps", "6", "--no-baseline"),
         *("--kill-min-s", "3", "--kill-max-s", "4", "--coordinator-at", "2", "--coordinator-down-s", "2"),
@@ -139,14 +139,19 @@ def test_wire_smoke_times_calls_over_mutual_tls_too(smoke_runs):
 
 
 def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
-    """The averaging row's bytes per parameter come from the peers' step logs: at the tiny size, with
-    int8 averaging, 2 replicas per stage, about 1 byte a value each way (more than 0, less than 4)."""
+    """The averaging rows' bytes per parameter come from the peers' step logs: at the tiny size, with
+    int8 averaging, 2 replicas per stage, about 1 byte a value each way (more than 0, less than 4)
+    every step; with DiLoCo in phases of 3 steps, one average in the 3 steps."""
     _, futures = smoke_runs
     done, results = futures["averaging"].result()
     assert done.returncode == 0, f"python -m benchmarks averaging exited {done.returncode}:\n{done.stderr[-3000:]}"
     _, found, section = results.read_text().partition(f"## {AVERAGING_SECTION}\n")
-    header, _, row = [line for line in section.split("\n## ")[0].splitlines() if line.startswith("|")][:3]
-    assert found, results.read_text()
-    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")], strict=True))
-    assert cells["averaging compression"] == "int8", cells
-    assert 0.5 < float(cells["averaging bytes / param / step"]) < 4, cells
+    header, _, *rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith("|")]
+    assert found and len(rows) == 2, results.read_text()
+    names = [c.strip() for c in header.split("|")]
+    every, diloco = (dict(zip(names, [c.strip() for c in row.split("|")], strict=True)) for row in rows)
+    assert every["averaging compression"] == diloco["averaging compression"] == "int8", rows
+    assert (every["averaging mode"], diloco["averaging mode"]) == ("gradients", "diloco3"), rows
+    per_step = float(every["averaging bytes / param / step"])
+    assert 0.5 < per_step < 4, every
+    assert 0 < float(diloco["averaging bytes / param / step"]) < per_step / 2, diloco
