@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import re
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from benchmarks.common import (
     stop_all,
     wait_online,
     with_averaging,
+    with_wire,
 )
 from benchmarks.plot import line_chart
 from benchmarks.results import append_row, replace_section, target
@@ -95,11 +95,7 @@ def variants(text: str) -> list[tuple[str, str]]:
 def variant(config: Path, codec: str, averaging: str, matchmaking: float) -> str:
     """The config's text with the wire codec and the averaging (`averaging_spec`) set, and loopback
     averaging timeouts (unless it sets its own)."""
-    text = config.read_text()
-    if re.search(r'(?m)^codec = "\w+"', text):
-        text = re.sub(r'(?m)^codec = "\w+"', f'codec = "{codec}"', text)
-    else:
-        text += f'\n[wire]\ncodec = "{codec}"\n'
+    text = with_wire(config.read_text(), codec)
     if "[averaging]" not in text:
         text += f"\n[averaging]\nmatchmaking_time_s = {matchmaking}\nrequest_timeout_s = {matchmaking * 0.6:g}\n"
     return with_averaging(text, averaging_spec(averaging))

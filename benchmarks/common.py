@@ -129,6 +129,13 @@ def spec_name(settings: dict) -> str:
     return settings["compression"] + mode
 
 
+def with_wire(text: str, codec: str) -> str:
+    """A config's text with `[wire] codec` set."""
+    if re.search(r'(?m)^codec = "\w+"', text):
+        return re.sub(r'(?m)^codec = "\w+"', f'codec = "{codec}"', text)
+    return text + f'\n[wire]\ncodec = "{codec}"\n'
+
+
 def with_averaging(text: str, settings: dict) -> str:
     """A config's text with these [averaging] settings (the section added when missing)."""
     lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())

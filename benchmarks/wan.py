@@ -18,11 +18,12 @@ import math
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
-from benchmarks.common import averaging_spec, spec_name, with_averaging
+from benchmarks.common import averaging_spec, spec_name, with_averaging, with_wire
 from benchmarks.net import Internet, NetSwarm, by_name, unavailable
 from benchmarks.results import append_row
-from swarm.config import load_config
+from swarm.config import Codec, load_config
 
 SECTION = "wan: 2 stages x 2 peers on an emulated internet, every node at the same bandwidth"
 PEERS = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="averaging of each run, comma-separated: COMPRESSION (every step) or COMPRESSION/dilocoH (DiLoCo, "
         "H inner steps); the relay comparison uses the first",
     )
+    p.add_argument("--wire", choices=get_args(Codec), default=None, help="[wire] codec (default: the config's)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from tokens/s")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
@@ -112,12 +114,14 @@ def run(args: argparse.Namespace) -> str:
 
         def measure(compression: str, mbit: float, homes: set[str]) -> tuple[float, float]:
             path = Path(tmp) / f"{compression.replace('/', '-')}.toml"
-            path.write_text(with_averaging(Path(args.config).read_text(), averaging_spec(compression)))
+            text = Path(args.config).read_text()
+            text = with_wire(text, args.wire) if args.wire else text
+            path.write_text(with_averaging(text, averaging_spec(compression)))
             steps, first = one_run(path, mbit, homes, args.steps, args.timeout_s)
             return tokens_per_s(steps, args.warmup, config), first
 
         for compression in args.compressions:
-            note = f"averaging {compression}; {NOTE}"
+            note = f"wire {args.wire or config.wire.codec}, averaging {compression}; {NOTE}"
             for mbit in [float(x) for x in args.mbit.split(",")]:
                 rate = rates[compression, mbit] = measure(compression, mbit, set())[0]
                 print(f"{mbit:g} Mbit/s, averaging {compression}, direct: {rate:,.0f} tokens/s", flush=True)

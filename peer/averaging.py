@@ -700,9 +700,10 @@ class SwarmUpdater:
             with torch.no_grad():
                 for outer, inner in zip(self.held.parameters(), self.inner_params, strict=True):
                     outer.grad = outer.detach() - inner.detach()
-            # Weighted by the samples of the whole phase (at least 1: a replica that served nothing
-            # hands over a zero pseudo-gradient).
-            self.opt.grad_averager.weight = max(1, self.phase_samples)
+            # Weighted by the samples it served per step of the phase (at least 1 in the phase: a
+            # replica that served nothing hands over a zero pseudo-gradient): the scale of one step's
+            # samples, which the trainers' receipts cap as in a step's gradient average.
+            self.opt.grad_averager.weight = self.declared(max(1, self.phase_samples)) / a.inner_steps
         if not grads_finite(self.held):
             drop_grads(self.held)
             self.dropped += 1
@@ -851,10 +852,7 @@ class SwarmUpdater:
 
     def _caps(self) -> dict[str, float] | None:
         """The most each replica of the stage may weigh in this step's all-reduce, from the trainers'
-        receipts (swarm/receipts.py). diloco: none (the receipts count one step's samples; a phase's
-        pseudo-gradient weighs a phase's)."""
-        if self.diloco:
-            return None
+        receipts (swarm/receipts.py)."""
         key = str(self.stage)
         receipts = [t.served.get(key, {}) for t in read_trainers(self.opt.dht, self.run.run_id)]
         members = stage_members(self.opt.dht, self.run.run_id, self.stage)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hivemind.optim.grad_averager import GradientAverager
 
-from peer.allreduce import COMPRESSIONS
+from peer.allreduce import COMPRESSIONS, INT8_BLOCK, as_received
 from peer.averaging import CappedGradientAverager, _grad_buffers
 from swarm.records import make_dht, shutdown_dht, visible_maddrs
 
@@ -117,3 +117,23 @@ def test_hiveminds_own_round_leaves_replicas_apart_with_a_lossy_codec():
     stock = partial(GradientAverager)
     results, _, _ = average_with(stock, "int8", "stock_int8")
     assert any(not torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
+
+
+def test_int8_error_is_bounded_per_block_so_small_blocks_keep_their_precision():
+    """A pseudo-gradient's values span orders of magnitude between tensors and within one (a layer's
+    norm weights against its matrices). With one scale per 256 values, each value is within half its
+    own block's scale: a block of values near 1e-4 beside a block near 1e2 keeps its precision, where
+    one scale for the tensor would round it to zero."""
+    g = torch.Generator().manual_seed(0)
+    magnitudes = torch.tensor([1e2, 1e-4, 3.0, 1e-6]).repeat_interleave(INT8_BLOCK)
+    tensor = torch.randn(magnitudes.numel() + 100, generator=g)  # the last block partly filled
+    tensor[: magnitudes.numel()] *= magnitudes
+    decoded = as_received(COMPRESSIONS["int8"], tensor)
+    for start in range(0, tensor.numel(), INT8_BLOCK):
+        block, got = tensor[start : start + INT8_BLOCK], decoded[start : start + INT8_BLOCK]
+        bound = block.abs().max() / 127 / 2
+        assert (got - block).abs().max() <= bound * (1 + 1e-5), (start, (got - block).abs().max(), bound)
+    small = slice(INT8_BLOCK, 2 * INT8_BLOCK)  # the 1e-4 block: relative error within 1/254 of its largest
+    assert (decoded[small] - tensor[small]).abs().max() / tensor[small].abs().max() <= 1 / 254 + 1e-6
+    per_tensor = tensor.abs().max() / 127  # what one scale for the whole tensor would give that block
+    assert (torch.round(tensor[small] / per_tensor) == 0).all(), "the test's small block is not small enough"

@@ -54,6 +54,8 @@ TINY = {
         "--warmup",
         "1",
         "--compressions",
+        "int8/diloco2",
+        "--wire",
         "int8",
     ],
     "wire": ["--reps", "2", "--warmup", "1", "--codecs", "bf16", "--modules", "noop", "--batch", "2"],

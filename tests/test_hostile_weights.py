@@ -17,14 +17,25 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.test_hostile_checks import STEPS, assert_trained_like_the_reference
 from tests.test_swarm import TINY, Swarm, peer_record
 
 DECLARED = 10**6
+INNER_STEPS = 2
 
 
-def test_a_peer_declaring_a_huge_sample_count_is_banned_and_weighs_little(tmp_path):
-    swarm = Swarm(tmp_path)
+@pytest.mark.parametrize("mode", ["gradients", "diloco"])
+def test_a_peer_declaring_a_huge_sample_count_is_banned_and_weighs_little(tmp_path, mode):
+    """With DiLoCo the liar declares 10^6 samples for each step of its phase, so its pseudo-gradient
+    would weigh 10^6 / inner_steps per step: capped as a gradient's weight is."""
+    config = TINY
+    if mode == "diloco":
+        config = tmp_path / "run.toml"
+        config.write_text(TINY.read_text() + f'\n[averaging]\nmode = "diloco"\ninner_steps = {INNER_STEPS}\n')
+    weight = DECLARED if mode == "gradients" else DECLARED / INNER_STEPS
+    swarm = Swarm(tmp_path, config)
     try:
         swarm.add_peer("a", 0)
         swarm.add_peer("liar", 0, "--declare-samples", str(DECLARED))
@@ -32,14 +43,15 @@ def test_a_peer_declaring_a_huge_sample_count_is_banned_and_weighs_little(tmp_pa
         state = swarm.wait_online(["a", "liar", "b"])
         liar = peer_record(state, "liar")["peer_id"]
         swarm.train(STEPS, 4, 20)
-        records = assert_trained_like_the_reference(swarm, TINY, tmp_path)
+        records = assert_trained_like_the_reference(swarm, config, tmp_path)
         assert [r["step"] for r in records] == list(range(STEPS))
         out = swarm.trainer.output()
         assert re.search(rf"peer {liar} of stage 0 declared more samples .* banned", out), out[-3000:]
         assert records[-1]["spot_bans"] >= 1
         honest = (tmp_path / "a.log").read_text()
         # once banned, the trainer's receipts vouch for none of its samples: it weighs one sample
-        assert re.search(rf"capped the weight of peer {liar} from 1e\+06 to 1 samples", honest), honest[-3000:]
+        capped = rf"capped the weight of peer {liar} from {re.escape(f'{weight:g}')} to 1 samples"
+        assert re.search(capped, honest), honest[-3000:]
         # the honest replica took one step per global batch, not one per microbatch
         steps = [int(s) for s in re.findall(r"stage 0 step (\d+): \d+ samples", honest)]
         assert len(steps) <= STEPS + 1, honest[-3000:]
