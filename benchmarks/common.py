@@ -109,24 +109,36 @@ def last_val(records: list[dict]) -> float | None:
 
 def averaging_spec(text: str) -> dict:
     """An averaging variant as benchmarks name it: `COMPRESSION` (gradients averaged every step) or
-    `COMPRESSION/dilocoH` (DiLoCo, H inner steps), e.g. `int8/diloco10` -> the [averaging] settings
-    {"compression": "int8", "mode": "diloco", "inner_steps": 10}; refused with the choices."""
+    `COMPRESSION/dilocoH[-lrLR][-mM]` (DiLoCo, H inner steps, outer learning rate and momentum), e.g.
+    `int8/diloco10-lr1-m0` -> the [averaging] settings {"compression": "int8", "mode": "diloco",
+    "inner_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.0}; refused with the choices."""
     compression, _, mode = text.strip().partition("/")
     choices = ", ".join(get_args(GradCompression))
-    found = re.fullmatch(r"diloco(\d+)", mode)
+    found = re.fullmatch(r"diloco(\d+)(?:-lr(\d+(?:\.\d+)?))?(?:-m(\d+(?:\.\d+)?))?", mode)
     if compression not in get_args(GradCompression) or (mode and (found is None or int(found.group(1)) < 1)):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: COMPRESSION or COMPRESSION/dilocoH, with COMPRESSION one of {choices} and H >= 1 inner steps"
+            f"{text!r}: COMPRESSION or COMPRESSION/dilocoH[-lrLR][-mM], with COMPRESSION one of {choices}, "
+            "H >= 1 inner steps, LR the outer learning rate and M its momentum"
         )
     if not mode:
         return {"compression": compression}
-    return {"compression": compression, "mode": "diloco", "inner_steps": int(found.group(1))}
+    settings = {"compression": compression, "mode": "diloco", "inner_steps": int(found.group(1))}
+    for key, value in (("outer_lr", found.group(2)), ("outer_momentum", found.group(3))):
+        if value is not None:
+            settings[key] = float(value)
+    return settings
 
 
 def spec_name(settings: dict) -> str:
     """The name `averaging_spec` reads back."""
-    mode = f"/diloco{settings['inner_steps']}" if settings.get("mode") == "diloco" else ""
-    return settings["compression"] + mode
+    if settings.get("mode") != "diloco":
+        return settings["compression"]
+    name = f"{settings['compression']}/diloco{settings['inner_steps']}"
+    if "outer_lr" in settings:
+        name += f"-lr{settings['outer_lr']:g}"
+    if "outer_momentum" in settings:
+        name += f"-m{settings['outer_momentum']:g}"
+    return name
 
 
 def with_wire(text: str, codec: str) -> str:
