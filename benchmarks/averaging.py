@@ -205,7 +205,8 @@ def run(args: argparse.Namespace) -> str:
                     f"{per_param:.2f}",
                     f"{per_param / tokens:.2e}",
                     f"goal within {goal:.0%}: {met}; final loss = mean of the last {args.tail} steps; "
-                    f"{moved / 1e6:.1f} MB averaged over {params:,} parameters; "
+                    + (f"val ratio {last_val(records) / last_val(local):.4f}; " if last_val(local) else "")
+                    + f"{moved / 1e6:.1f} MB averaged over {params:,} parameters; "
                     f"matchmaking {args.matchmaking} s, loopback, 1 torch thread per peer",
                 ],
             )
