@@ -87,13 +87,18 @@ def inner_phase(run, start: list[torch.Tensor], grads: list[list[torch.Tensor]],
     return weights(module)
 
 
+def two_replicas(stage: StageOne) -> tuple[SwarmUpdater, SwarmUpdater, list[torch.Tensor], list, list, int]:
+    """Replicas a and b of stage 1, the weights they start from, a gradient for each, and half the
+    global batch (what each serves per step)."""
+    a = stage.replica(stage.node(stage=1))
+    b = stage.replica(stage.node(stage=1))
+    run = stage.run
+    return a, b, weights(a.module), gradient(run, 1), gradient(run, 2), run.training.global_batch // 2
+
+
 def test_an_outer_step_averages_the_pseudo_gradients_and_leaves_the_replicas_bitwise_equal(stage_one):
-    run, a_ = stage_one.run, stage_one
-    a = a_.replica(a_.node(stage=1))
-    b = a_.replica(a_.node(stage=1))
-    start = weights(a.module)
-    ga, gb = gradient(run, 1), gradient(run, 2)
-    half = run.training.global_batch // 2
+    run = stage_one.run
+    a, b, start, ga, gb, half = two_replicas(stage_one)
     digest = weights_digest(a.held)
     for _ in range(H - 1):
         take_step([a, b], [ga, gb], half)
@@ -147,15 +152,11 @@ def test_a_joiner_mid_phase_takes_the_outer_weights_and_momentum_and_ends_the_ne
 
 
 def test_a_replica_whose_partner_left_mid_phase_keeps_its_own_inner_progress(stage_one):
-    run, st = stage_one.run, stage_one
-    a = st.replica(st.node(stage=1))
-    b = st.replica(st.node(stage=1))
-    start = weights(a.module)
-    ga, gb = gradient(run, 1), gradient(run, 2)
-    half = run.training.global_batch // 2
+    run = stage_one.run
+    a, b, start, ga, gb, half = two_replicas(stage_one)
     take_step([a, b], [ga, gb], half)
     b.close()
-    st.replicas.remove(b)
+    stage_one.replicas.remove(b)
     started = time.monotonic()
     for _ in range(H - 1):  # the trainers now send a the whole batch; its mean gradient stays ga
         take_step([a], [ga], run.training.global_batch)
