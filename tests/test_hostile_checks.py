@@ -58,9 +58,11 @@ def banned_peers(out: str) -> list[tuple[str, str]]:
     return re.findall(r"spot check: banned peer (\S+) of stage (\d+)", out)
 
 
-def assert_trained_like_the_reference(swarm: Swarm, config: Path, tmp: Path) -> list[dict]:
+def assert_trained_like_the_reference(
+    swarm: Swarm, config: Path, tmp: Path, accumulation: int = ACCUMULATION
+) -> list[dict]:
     records = swarm.finish_training()
-    assert len(records) == STEPS and records[-1]["microbatches"] == STEPS * ACCUMULATION, records[-1:]
+    assert len(records) == STEPS and records[-1]["microbatches"] == STEPS * accumulation, records[-1:]
     reference = reference_loss(config, tmp)
     val = records[-1]["val_loss"]
     print(f"final validation loss {val:.4f}, reference {reference:.4f}")
