@@ -106,6 +106,13 @@ def scale_grads(module: torch.nn.Module, factor: float) -> None:
             p.grad.mul_(factor)
 
 
+def copy_weights(into, source) -> None:
+    """Copy each parameter of `source` into the one of `into` at the same place."""
+    with torch.no_grad():
+        for dst, src in zip(into, source, strict=True):
+            dst.copy_(src)
+
+
 def drop_grads(module: torch.nn.Module) -> None:
     for p in module.parameters():
         if p.grad is not None:
@@ -704,11 +711,7 @@ class SwarmUpdater:
             # replica that served nothing hands over a zero pseudo-gradient): the scale of one step's
             # samples, which the trainers' receipts cap as in a step's gradient average.
             self.opt.grad_averager.weight = self.declared(max(1, self.phase_samples)) / a.inner_steps
-        if not grads_finite(self.held):
-            drop_grads(self.held)
-            self.dropped += 1
-            log.warning(f"stage {self.stage} step {self.epoch}: dropped a non-finite gradient of {pending} samples")
-            pending = 0
+        pending = self._finite(self.held, pending)
         scale = 1.0  # applied to .grad for the all-reduce; undone when no step is taken
         if pending > 0 and not self.diloco:
             # .grad holds (pending / global batch) x this peer's mean gradient; hivemind averages
@@ -802,11 +805,7 @@ class SwarmUpdater:
         if self.inner_at is not None and self.inner_at[0] == self.epoch:
             return self.inner_at[1]
         t = self.run.training
-        if not grads_finite(self.module):
-            drop_grads(self.module)
-            self.dropped += 1
-            log.warning(f"stage {self.stage} step {self.epoch}: dropped a non-finite gradient of {pending} samples")
-            pending = 0
+        pending = self._finite(self.module, pending)
         if pending > 0:
             scale_grads(self.module, t.global_batch / pending)  # this replica's mean gradient
             for group in self.inner.param_groups:
@@ -816,6 +815,15 @@ class SwarmUpdater:
         self.inner_at = (self.epoch, pending)
         self.phase_samples += pending
         return pending
+
+    def _finite(self, module: torch.nn.Module, pending: int) -> int:
+        """The samples `module`'s gradient counts for: `pending`, or 0 when it is not finite (then dropped)."""
+        if grads_finite(module):
+            return pending
+        drop_grads(module)
+        self.dropped += 1
+        log.warning(f"stage {self.stage} step {self.epoch}: dropped a non-finite gradient of {pending} samples")
+        return 0
 
     def _next_inner_step(self, pending: int) -> int:
         """diloco, within a phase: move on to the next step without an all-reduce."""
@@ -835,9 +843,7 @@ class SwarmUpdater:
 
     def _start_phase(self) -> None:
         """diloco: the inner weights become the outer ones (after an outer step or a load)."""
-        with torch.no_grad():
-            for inner, outer in zip(self.inner_params, self.held.parameters(), strict=True):
-                inner.copy_(outer)
+        copy_weights(self.inner_params, self.held.parameters())
         self.phase_samples, self.inner_at = 0, None
 
     def _stall_s(self) -> float | None:
@@ -916,10 +922,8 @@ class SwarmUpdater:
         with averager.lock_averaged_tensors:
             snapshot.apply(self.module, self.optimizer)
             if self.diloco:  # the checkpoint's weights are the outer ones too (the outer momentum starts at 0)
-                with torch.no_grad():
-                    for outer, inner in zip(self.held.parameters(), self.inner_params, strict=True):
-                        outer.copy_(inner)
-                self.phase_samples, self.inner_at = 0, None
+                copy_weights(self.held.parameters(), self.inner_params)
+                self._start_phase()
         averager._load_local_tensors_into_averager_()  # as load_state_from_peers does after a download
         set_epoch(self.opt, snapshot.step)
         self.missed, self.failed_loads = False, 0
