@@ -163,13 +163,19 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 def averaging_swarm(tmp_path, request):
     """A swarm whose stages average with `[averaging] compression` = the param (with "diloco": in
     DiLoCo phases of 3 steps, so that the 6 steps of the test end with an outer step)."""
-    *mode, compression = request.param.split()
+    swarm = averaging_swarm_of(tmp_path, request.param)
+    yield swarm
+    swarm.close()
+
+
+def averaging_swarm_of(tmp_path, spec: str) -> Swarm:
+    """A swarm (no peers yet) for `spec`: "[diloco ]COMPRESSION"; its run config as `swarm.run`."""
+    *mode, compression = spec.split()
     extra = f'compression = "{compression}"\n' + ('mode = "diloco"\ninner_steps = 3\n' if mode else "")
     path, run = config_with(tmp_path, FAST_AVERAGING + extra)
     swarm = Swarm(tmp_path, path)
     swarm.run = run
-    yield swarm
-    swarm.close()
+    return swarm
 
 
 def test_a_stages_norm_is_the_median_of_its_members_shares_and_bad_values_are_dropped():
@@ -462,12 +468,10 @@ def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_r
         assert a.opt.tracker.global_progress.num_peers <= 1, a.opt.tracker.global_progress
 
 
-def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averaging_swarm):
-    swarm, run, steps = averaging_swarm, averaging_swarm.run, 6
-    names = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
-    for name, stage in names.items():
-        swarm.add_peer(name, stage)
-    swarm.wait_online(list(names))
+def train_and_assert_replicas_equal(swarm, run, names: list[str], steps: int) -> dict:
+    """Train `steps` steps on the swarm of peers a0, b0 (stage 0) and a1, b1 (stage 1), already online;
+    check that every step completed, that the replicas of each stage hold the same bits at the same
+    step and that they trained. Returns each peer's (step, weights)."""
     swarm.train(steps=steps)
     records = swarm.finish_training()
     assert [r["step"] for r in records] == list(range(steps))
@@ -483,6 +487,16 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
     # ... and they did train: the weights moved away from the seeded init.
     init = dict(Stage(run, 1).named_parameters())
     assert max_difference({n: t.detach() for n, t in init.items()}, held["a1"][1]) > 1e-3
+    return held
+
+
+def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averaging_swarm):
+    swarm, run, steps = averaging_swarm, averaging_swarm.run, 6
+    names = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
+    for name, stage in names.items():
+        swarm.add_peer(name, stage)
+    swarm.wait_online(list(names))
+    held = train_and_assert_replicas_equal(swarm, run, list(names), steps)
 
     # A peer joining now takes the stage's weights, optimizer state and step from the others.
     swarm.add_peer("late1", 1)

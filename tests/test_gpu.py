@@ -1,6 +1,6 @@
 """The CUDA paths: a stage worker in bf16 against float32 on CPU, checkpointed activations' peak
-memory, the memory estimate against what a 125m stage really allocates, and `swarm peer --dry-run`
-on the GPU. Run on a GPU machine: `python -m pytest -q -m gpu tests/test_gpu.py`."""
+memory, the memory estimate against what a 125m stage really allocates, `swarm peer --dry-run`
+on the GPU, and a 2 x 2 swarm of peers on the GPU whose replicas average (gradients, DiLoCo). Run on a GPU machine: `python -m pytest -q -m gpu tests/test_gpu.py`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from peer.requests import BackwardWork, ForwardWork
 from peer.worker import StageWorker
 from swarm import memory
 from swarm.config import RunConfig, load_config
+from swarm.device import device_name
 from tests.conftest import ROOT
+from tests.test_averaging import averaging_swarm_of, train_and_assert_replicas_equal
+from tests.test_swarm import state
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device; CI has none — run on a GPU machine"
@@ -136,3 +139,20 @@ def test_swarm_peer_dry_run_on_cuda_prints_the_estimates():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "available on cuda" in done.stdout and done.stdout.count("stage ") >= 3
     assert "-> fits" in done.stdout
+
+
+@pytest.mark.parametrize("spec", ["int8", "diloco int8"])
+def test_a_two_by_two_swarm_on_cuda_averages_and_its_replicas_stay_bitwise_equal(tmp_path, spec):
+    """Real processes: a coordinator, four peers on the GPU (two per stage) and a trainer. The weights
+    and gradients live on the GPU, the averager's buffers in host memory."""
+    swarm = averaging_swarm_of(tmp_path, spec)
+    try:
+        names = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
+        for name, stage in names.items():
+            swarm.add_peer(name, stage, "--device", "cuda")
+        swarm.wait_online(list(names), timeout=180)
+        devices = {p["public_name"]: p["device"] for s in state(swarm.url)["stages"] for p in s["peers"]}
+        assert set(devices.values()) == {device_name(CUDA)}, devices
+        train_and_assert_replicas_equal(swarm, swarm.run, list(names), steps=6)
+    finally:
+        swarm.close()

@@ -62,7 +62,19 @@ class Swarm:
         return proc
 
     def wait_online(self, names: list[str], timeout: float = 90) -> dict:
-        return wait_for_state(self.url, lambda s: set(names) <= online_names(s), timeout)
+        """The state once every peer in `names` is online; when one never is, the failure says whether
+        it is still running and ends with its log."""
+        try:
+            return wait_for_state(self.url, lambda s: set(names) <= online_names(s), timeout)
+        except AssertionError as e:
+            missing = set(names) - online_names(state(self.url))
+            logs = "".join(
+                f"\n--- {n} ({'running' if self.peers[n].alive() else f'exited {self.peers[n].popen.returncode}'}):\n"
+                f"{self.peers[n].output()[-4000:]}"
+                for n in sorted(missing)
+                if n in self.peers
+            )
+            raise AssertionError(f"{e}\nnot online: {sorted(missing)}{logs}") from None
 
     def train(self, steps: int, inflight: int = 4, timeout: float = 20, *extra: str) -> Proc:
         self.trainer = child(
