@@ -1,6 +1,7 @@
 """The CUDA paths: a stage worker in bf16 against float32 on CPU, checkpointed activations' peak
 memory, the memory estimate against what a 125m stage really allocates, `swarm peer --dry-run`
-on the GPU, and a 2 x 2 swarm of peers on the GPU whose replicas average (gradients, DiLoCo). Run on a GPU machine: `python -m pytest -q -m gpu tests/test_gpu.py`."""
+on the GPU, and a 2 x 2 swarm of peers on the GPU whose replicas average (gradients, DiLoCo).
+Run on a GPU machine: `python -m pytest -q -m gpu tests/test_gpu.py`."""
 
 from __future__ import annotations
 
