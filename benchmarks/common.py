@@ -111,18 +111,22 @@ def averaging_spec(text: str) -> dict:
     """An averaging variant as benchmarks name it: `COMPRESSION` (gradients averaged every step) or
     `COMPRESSION/dilocoH[-lrLR][-mM]` (DiLoCo, H inner steps, outer learning rate and momentum), e.g.
     `int8/diloco10-lr1-m0` -> the [averaging] settings {"compression": "int8", "mode": "diloco",
-    "inner_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.0}; refused with the choices."""
+    "inner_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.0}; `powersgdR` is powersgd of rank R
+    (plain `powersgd`: the config's default rank); refused with the choices."""
     compression, _, mode = text.strip().partition("/")
     choices = ", ".join(get_args(GradCompression))
     found = re.fullmatch(r"diloco(\d+)(?:-lr(\d+(?:\.\d+)?))?(?:-m(\d+(?:\.\d+)?))?", mode)
-    if compression not in get_args(GradCompression) or (mode and (found is None or int(found.group(1)) < 1)):
+    ranked = re.fullmatch(r"powersgd(\d+)", compression)
+    known = compression in get_args(GradCompression) or (ranked is not None and int(ranked.group(1)) >= 1)
+    if not known or (mode and (found is None or int(found.group(1)) < 1)):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: COMPRESSION or COMPRESSION/dilocoH[-lrLR][-mM], with COMPRESSION one of {choices}, "
-            "H >= 1 inner steps, LR the outer learning rate and M its momentum"
+            f"{text!r}: COMPRESSION or COMPRESSION/dilocoH[-lrLR][-mM], with COMPRESSION one of {choices} "
+            "(powersgdR: of rank R), H >= 1 inner steps, LR the outer learning rate and M its momentum"
         )
+    base = {"compression": "powersgd", "rank": int(ranked.group(1))} if ranked else {"compression": compression}
     if not mode:
-        return {"compression": compression}
-    settings = {"compression": compression, "mode": "diloco", "inner_steps": int(found.group(1))}
+        return base
+    settings = {**base, "mode": "diloco", "inner_steps": int(found.group(1))}
     for key, value in (("outer_lr", found.group(2)), ("outer_momentum", found.group(3))):
         if value is not None:
             settings[key] = float(value)
@@ -131,9 +135,10 @@ def averaging_spec(text: str) -> dict:
 
 def spec_name(settings: dict) -> str:
     """The name `averaging_spec` reads back."""
+    compression = settings["compression"] + str(settings.get("rank", ""))
     if settings.get("mode") != "diloco":
-        return settings["compression"]
-    name = f"{settings['compression']}/diloco{settings['inner_steps']}"
+        return compression
+    name = f"{compression}/diloco{settings['inner_steps']}"
     if "outer_lr" in settings:
         name += f"-lr{settings['outer_lr']:g}"
     if "outer_momentum" in settings:

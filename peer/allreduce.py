@@ -10,7 +10,8 @@ digests (peer/averaging.py ReplicaCheck) make the minority reload the stage's st
 part what the others decode: every member copies in the same values.
 
 `[averaging] compression`: "none" sends the float32 buffers (4 bytes a value), "fp16" 2, "int8" a
-byte a value plus a float32 scale per block of 256 (the wire codec's, swarm/wire.py). The reducer
+byte a value plus a float32 scale per block of 256 (the wire codec's, swarm/wire.py); "powersgd"
+sends two low-rank factors of each weight matrix in float32 (peer/averaging.py). The reducer
 adds up the decoded parts in float32 and encodes the average once: a replica's error is that of one
 encode of its part (weighted) and one of the average.
 """
@@ -63,6 +64,9 @@ COMPRESSIONS: dict[str, CompressionBase] = {
     "none": NoCompression(),
     "fp16": Float16Compression(),
     "int8": serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"],
+    # The factors P and Q of PowerSGD (peer/averaging.py CappedPowerSGDAverager), and the tensors it
+    # leaves whole (biases, norms), go as float32: the low rank is the compression.
+    "powersgd": NoCompression(),
 }
 
 

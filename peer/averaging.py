@@ -41,6 +41,7 @@ trainer has moved on (a request for a later step) and the count still falls shor
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import ctypes
@@ -58,9 +59,12 @@ from functools import partial
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.power_sgd_averager import AllReducePhases, PowerSGDGradientAverager
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from peer.allreduce import COMPRESSIONS, ExactAllReduceRunner
 from peer.checkpoint import Checkpoint
@@ -224,8 +228,8 @@ def weights_digest(module: torch.nn.Module, sample: int = 65536) -> str:
     return h.hexdigest()
 
 
-class CappedGradientAverager(GradientAverager):
-    """hivemind's gradient averager, with every sender's weight in this replica's parts of the
+class CappedAverages:
+    """For a hivemind gradient averager: every sender's weight in this replica's parts of the
     all-reduce capped by what the trainers saw it serve (swarm/receipts.py), not taken as declared.
 
     hivemind has no hook for the weights: each reducer adds a sender's part with the weight that
@@ -291,6 +295,87 @@ class CappedGradientAverager(GradientAverager):
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
+
+
+class CappedGradientAverager(CappedAverages, GradientAverager):
+    """hivemind's gradient averager, its senders' weights capped (`CappedAverages`)."""
+
+
+class CappedPowerSGDAverager(CappedAverages, PowerSGDGradientAverager):
+    """hivemind's PowerSGD averager (`[averaging] compression = "powersgd"`), its senders' weights capped.
+
+    Each weight matrix M (this replica's gradient plus what earlier rounds left out: error feedback)
+    travels as two factors of rank r: P = M Q, all-reduced and orthonormalised, then Q = M^T P,
+    all-reduced; the average is P Q^T, and M - P Q^T stays for the next round. Vectors and matrices
+    that r would not shrink by half go whole, in the Q round.
+
+    `_aggregate_with_group` is hivemind 1.1.12's, but for the two things each replica computes on its
+    own from the all-reduced factors, the orthonormal P and the product P Q^T: done in float64 and
+    rounded to float32 once, so that replicas whose BLAS differ (a GPU's, another CPU's, another
+    thread count) still end with the same bits, as the weights digests require; hivemind's float32
+    arithmetic there differs in the last bits. Q starts from the same seeded values on every replica
+    (hivemind draws it at random per replica), so that even the first round averages like factors."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with torch.no_grad():
+            for i, q in enumerate(self._qs):
+                q.copy_(torch.rand(q.shape, generator=torch.Generator().manual_seed(i)))
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        try:
+            bandwidths, mode_ids, user_gathered_bytes = zip(
+                *map(self.serializer.loads, group_info.gathered), strict=True
+            )
+            user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_gathered_bytes), strict=True))
+            modes = tuple(map(AveragingMode, mode_ids))
+            download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes, strict=True)]
+            fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, download, min_vector_size
+            )
+            async with enter_asynchronously(self.get_tensors()) as averaged:
+                whole = [g for i, g in enumerate(averaged) if i in self._uncompressed_gradients_indexes]
+                factored = [g for i, g in enumerate(averaged) if i not in self._uncompressed_gradients_indexes]
+                for g, m in zip(factored, self._ms, strict=True):
+                    m.add_(g)
+                ps = [m.reshape(-1, q.shape[0]) @ q for m, q in zip(self._ms, self._qs, strict=True)]
+                await self._run_allreduce_inplace_(
+                    ps,
+                    group_info,
+                    group_info.group_id + AllReducePhases.PHASE_P.name.encode(),
+                    peer_fractions=fractions,
+                    **kwargs,
+                )
+                bases = [orthonormal(p) for p in ps]
+                for p, q, m in zip(bases, self._qs, self._ms, strict=True):
+                    q.copy_(m.reshape(-1, q.shape[0]).t() @ p.float())
+                await self._run_allreduce_inplace_(
+                    [*self._qs, *whole],
+                    group_info,
+                    group_info.group_id + AllReducePhases.PHASE_Q.name.encode(),
+                    peer_fractions=fractions,
+                    **kwargs,
+                )
+                for p, q, m, g in zip(bases, self._qs, self._ms, factored, strict=True):
+                    approx = (p @ q.double().t()).float().reshape(m.shape)
+                    m.sub_(approx)
+                    g.copy_(approx)
+                return user_gathered
+        except BaseException as e:
+            log.exception(e)
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+
+
+def orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """The columns of `p` made orthonormal (Gram-Schmidt, as hivemind's orthogonalize_), in float64."""
+    p = p.double()
+    for i in range(p.shape[1]):
+        col = p[:, i]
+        col /= col.norm().clamp_min(1e-8)
+        if i + 1 < p.shape[1]:
+            rest = p[:, i + 1 :]
+            rest -= col[:, None] * (col @ rest)[None, :]
+    return p
 
 
 class ReplicaCheck:
@@ -591,8 +676,13 @@ class SwarmUpdater:
             offload_optimizer=False,
             grad_compression=COMPRESSIONS[a.compression],
             grad_averager_factory=partial(
-                CappedGradientAverager, averaged_grads=_grad_buffers(groups), global_batch=t.global_batch
-            ),
+                CappedPowerSGDAverager,
+                averager_rank=a.rank,
+                averaged_grads=_grad_buffers(groups),
+                global_batch=t.global_batch,
+            )
+            if a.compression == "powersgd"
+            else partial(CappedGradientAverager, averaged_grads=_grad_buffers(groups), global_batch=t.global_batch),
             # Replicas apply identical steps, so averaging their parameters would change nothing; a
             # replica that missed a round loads the others' state instead (`behind`).
             average_state_every=2**31 - 1,

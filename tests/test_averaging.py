@@ -159,7 +159,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-@pytest.fixture(params=["none", "int8", "diloco int8"])
+@pytest.fixture(params=["none", "int8", "powersgd", "diloco int8"])
 def averaging_swarm(tmp_path, request):
     """A swarm whose stages average with `[averaging] compression` = the param (with "diloco": in
     DiLoCo phases of 3 steps, so that the 6 steps of the test end with an outer step)."""

@@ -55,10 +55,11 @@ def test_coordinator_stages_option_is_validated():
         (lambda d: d["training"].update(lr=-1.0), "training.lr", "greater than 0"),
         (lambda d: d["wire"].update(codec="zip"), "wire.codec", "'none', 'fp16', 'bf16' or 'int8'"),
         (
-            lambda d: d.setdefault("averaging", {}).update(compression="powersgd"),
+            lambda d: d.setdefault("averaging", {}).update(compression="topk"),
             "averaging.compression",
-            "'none', 'fp16' or 'int8'",
+            "'none', 'fp16', 'int8' or 'powersgd'",
         ),
+        (lambda d: d.setdefault("averaging", {}).update(compression="powersgd", rank=0), "averaging.rank", "1"),
         (lambda d: d["model"].update(tie_embeddings=True), "model.tie_embeddings", "stages.count = 1"),
         (lambda d: d["data"].update(source="files"), "data.path", "required"),
         (lambda d: d.update(run_id="has space"), "run_id", "letters, digits and . _ - only"),

@@ -55,10 +55,11 @@ def see_each_other(replicas: list[SwarmUpdater], timeout: float = 30) -> None:
 
 
 def take_step(replicas: list[SwarmUpdater], grads: list[list[torch.Tensor]], samples: int) -> None:
-    """One global step on every replica at once (an outer step's all-reduce needs them together)."""
+    """One global step on every replica at once (an all-reduce, or diloco's outer step, needs them together)."""
     for r, g in zip(replicas, grads, strict=True):
         serve(r, g, samples)
-    if (replicas[0].epoch + 1) % H == 0 and len(replicas) > 1:
+    a = replicas[0].run.averaging
+    if len(replicas) > 1 and (a.mode == "gradients" or (replicas[0].epoch + 1) % a.inner_steps == 0):
         see_each_other(replicas)
     deadline = time.monotonic() + 30
     while not all(r.ready(samples) for r in replicas):  # as the stepper waits
