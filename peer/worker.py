@@ -476,17 +476,16 @@ class StageWorker:
         recompute = []
         for i, task in enumerate(batch):
             cached = task.work.cached
-            if cached is None:
+            if cached is None or cached.version != self.optimizer_steps:
+                # A forward recorded before the stage's last step (another trainer's samples, or the
+                # trainer's own next step with delayed updates, completed a global batch in between) is
+                # recomputed on the weights the stage has now, as one served by another peer is.
                 recompute.append(i)
-            elif cached.version != self.optimizer_steps:
-                # Only reachable when another trainer's samples completed a global batch between
-                # this microbatch's forward and its backward: the caller retries with a fresh forward.
-                results[i] = RequestError(grpc.StatusCode.ABORTED, "the stage took an optimizer step since the forward")
             else:
                 cached.output.backward(self._to_device(task.work.output_grad).to(cached.output.dtype))
                 results[i] = None if self.stage.is_first else cached.inputs.grad.detach().to("cpu")
         if recompute:
-            sub = [batch[i] for i in recompute]
+            sub = [batch[i].uncached() for i in recompute]
             x = self._inputs(sub)
             grad = self._to_device(torch.cat([t.work.output_grad for t in sub]))
             with torch.enable_grad():

@@ -121,6 +121,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     opts = TrainerOptions(
         steps=args.steps,
         inflight=args.inflight,
+        delayed_updates=args.delayed_updates,
         log_json=args.log_json,
         log_windows=args.log_windows,
         device=args.device,
@@ -149,6 +150,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if opts.data:
         run = run.with_data(opts.data)
     if args.local:
+        if opts.delayed_updates:
+            raise ConfigError("swarm train: --delayed-updates is for --peers or --coordinator (--local has no stages)")
         from swarm.trainer.local import train_local
 
         train_local(run, opts.steps or run.training.steps, device=opts.device, log_json=opts.log_json)
@@ -556,6 +559,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     train.add_argument("--peers", metavar="ADDR0,ADDR1,...", help="one stage worker per stage, in stage order")
     train.add_argument("--inflight", type=positive_int, default=4, help="microbatches in flight at once (default 4)")
+    train.add_argument(
+        "--delayed-updates",
+        action="store_true",
+        help="with --peers or --coordinator: send a step's microbatches while the previous step's finish, "
+        "their gradients up to one step stale (SWARM's delayed parameter updates); with --coordinator, "
+        "spot checks off (--verify-fraction 0)",
+    )
     train.add_argument(
         "--coordinator",
         metavar="URL",

@@ -19,6 +19,7 @@ import pytest
 from benchmarks.__main__ import BENCHMARKS
 from benchmarks.averaging import SECTION as AVERAGING_SECTION
 from benchmarks.net import unavailable
+from benchmarks.pipeline import DELAYED_SECTION
 from benchmarks.wire import TLS_SECTION
 from tests.conftest import ROOT
 
@@ -36,7 +37,10 @@ TINY = {
     "failover": ["--steps", "20", "--warmup-s", "3", "--settle-s", "2", "--window", "2", "--hold", "2", *LOGS],
     "fuzz": ["--cases", "30", *LOGS],
     "local": ["--config", "configs/tiny.toml", "--steps", "3", "--warmup", "1"],
-    "pipeline": ["--config", "configs/tiny.toml", "--steps", "2", "--warmup", "1", "--codecs", "none,int8"],
+    "pipeline": [
+        *("--config", "configs/tiny.toml", "--steps", "2", "--warmup", "1", "--codecs", "none,int8"),
+        "--delayed-updates",
+    ],
     "scale": [
         *("--configs", "tiny", "--steps", "2", "--micro-batch", "2", "--global-batch", "4", "--inflight", "2", *LOGS)
     ],
@@ -157,3 +161,15 @@ def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
     per_step = float(every["averaging bytes / param / step"])
     assert 0.5 < per_step < 4, every
     assert 0 < float(diloco["averaging bytes / param / step"]) < per_step / 2, diloco
+
+
+def test_pipeline_smoke_puts_delayed_updates_beside_the_synchronous_run(smoke_runs):
+    """With --delayed-updates each codec also trains with delayed updates, and a row of their own section
+    gives both runs' efficiency and loss."""
+    _, futures = smoke_runs
+    done, results = futures["pipeline"].result()
+    assert done.returncode == 0, f"python -m benchmarks pipeline exited {done.returncode}:\n{done.stderr[-3000:]}"
+    _, found, section = results.read_text().partition(f"## {DELAYED_SECTION}\n")
+    rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith(ROW_START)]
+    assert found and len(rows) == 2, results.read_text()
+    assert all(float(row.split("|")[10]) > 0 and float(row.split("|")[12]) > 0 for row in rows), rows

@@ -202,6 +202,7 @@ def run_training(
     start: int = 0,
     on_step: Callable[[dict], None] | None = None,
     source: ShardSource | None = None,
+    overlap: bool = False,
 ) -> list[dict]:
     """Train through `caller`, reporting to `progress`: one global batch per step, `inflight`
     microbatches at once; closes `caller` at the end. `on_step`: told each step's record too.
@@ -212,61 +213,89 @@ def run_training(
     joining a swarm starts at the swarm's step), each next one at the step the stages reached
     (`StageSteps`; alone: start .. start + steps - 1). Each microbatch's windows are reported
     trained to the data stream once its backward has come back. A validation pass after a step asks
-    for the weights of the next one."""
+    for the weights of the next one.
+
+    `overlap` (delayed parameter updates, as SWARM's): a step's microbatches are sent while the
+    previous step's are still in flight, as soon as one of the `inflight` slots frees, instead of
+    after the previous step's last backward. They name the step the previous one named, so no stage
+    holds them until it has stepped: a stage serves them on the weights it has, before or after its
+    step (a gradient up to one step stale), and counts their gradients toward its next step (it
+    stops a step's gradient work at the global batch, peer/stepper.py). The stages never wait for
+    the trainer between two steps, nor the first stage for the last one's backward."""
     t = run.training
     source = source if source is not None else LocalShards(shards(run.data), t.seed)
     data = TrainStream(run.data, run.model.seq_len, t.seed, load_tokenizer(run.data.tokenizer), source)
     val = data.val_batches(t.eval_batches, t.micro_batch)
     desc = progress.bar.desc  # the bar's own description, shown again when a pause ends
+    # With overlap, the pool holds two steps' microbatches; `inflight` threads send them in order.
     pool = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="microbatch")
     done = samples = 0
     step = label = start
     key = new_key()  # the microbatches' ids say nothing a peer could use to tell checked calls
-    try:
-        for i in range(steps):
-            if caller.paused():
-                progress.note("paused by the operator")
-                while caller.paused():
-                    time.sleep(PAUSE_CHECK_S)
-                progress.note(desc)
-            batches = draw(data, t.accumulation, t.micro_batch)
-            reached = StageSteps(run.stages.count, caller.host, caller.ceiling)
-            sent: list[str] = []  # the ids of this step's microbatches, for its record (benchmarks/ledger.py)
-            jobs = [
-                pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached, key=key, sent=sent)
-                for j, b in enumerate(batches)
+
+    def send(step: int) -> tuple:
+        if caller.paused():
+            progress.note("paused by the operator")
+            while caller.paused():
+                time.sleep(PAUSE_CHECK_S)
+            progress.note(desc)
+        batches = draw(data, t.accumulation, t.micro_batch)
+        reached = StageSteps(run.stages.count, caller.host, caller.ceiling)
+        sent: list[str] = []  # the ids of this step's microbatches, for its record (benchmarks/ledger.py)
+        jobs = [
+            pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached, key=key, sent=sent)
+            for j, b in enumerate(batches)
+        ]
+        return step, batches, jobs, reached, sent
+
+    def finish(i: int, step: int, batches: list[Batch], jobs: list, reached: StageSteps, sent: list[str]) -> int:
+        """Wait for step `step`'s microbatches, record it (and validate when due); the next step."""
+        nonlocal done, samples, label
+        losses = []
+        for batch, job in zip(batches, jobs, strict=True):
+            losses.append(job.result())
+            data.trained(batch)
+            progress.trained(step, batch.ids)
+        loss = sum(losses) / len(losses)
+        done += len(jobs)
+        samples += sum(b.inputs.shape[0] for b in batches)
+        following, label = reached.next_step(step), reached.label(step)
+        val_loss = None
+        if eval_due(i, steps, t.eval_every):
+            evals = [
+                pool.submit(microbatch, caller, b, following, f"val{step}.{j}", False, key=key)
+                for j, b in enumerate(val)
             ]
-            losses = []
-            for batch, job in zip(batches, jobs, strict=True):
-                losses.append(job.result())
-                data.trained(batch)
-                progress.trained(step, batch.ids)
-            loss = sum(losses) / len(losses)
-            done += len(jobs)
-            samples += sum(b.inputs.shape[0] for b in batches)
-            following, label = reached.next_step(step), reached.label(step)
-            val_loss = None
-            if eval_due(i, steps, t.eval_every):
-                jobs = [
-                    pool.submit(microbatch, caller, b, following, f"val{step}.{j}", False, key=key)
-                    for j, b in enumerate(val)
-                ]
-                val_loss = sum(j.result() for j in jobs) / len(jobs)
-            record = progress.step(
-                step,
-                loss,
-                sum(b.inputs.numel() for b in batches),
-                val_loss,
-                wire_bytes=caller.bytes_on_wire(),
-                microbatches=done,
-                samples=samples,
-                failures=caller.failures,
-                microbatch_ids=sent,
-                **caller.counts(),
-            )
-            if on_step:
-                on_step(record)
-            step = following
+            val_loss = sum(j.result() for j in evals) / len(evals)
+        record = progress.step(
+            step,
+            loss,
+            sum(b.inputs.numel() for b in batches),
+            val_loss,
+            wire_bytes=caller.bytes_on_wire(),
+            microbatches=done,
+            samples=samples,
+            failures=caller.failures,
+            microbatch_ids=sent,
+            **caller.counts(),
+        )
+        if on_step:
+            on_step(record)
+        return following
+
+    try:
+        in_flight = None  # overlap: the step sent and not yet finished
+        for i in range(steps):
+            if not overlap:
+                step = finish(i, *send(step))
+                continue
+            # Its number: one past the step in flight (the stages' word on it comes when it ends).
+            sending = send(step if in_flight is None else in_flight[0] + 1)
+            if in_flight is not None:
+                step = finish(i - 1, *in_flight)
+            in_flight = sending
+        if in_flight is not None:
+            step = finish(steps - 1, *in_flight)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         wire = caller.bytes_on_wire()

@@ -21,6 +21,7 @@ class TrainerOptions:
 
     steps: int | None = None  # optimizer steps; None: the run's training.steps
     inflight: int = 4  # microbatches in flight at once
+    delayed_updates: bool = False  # send a step's microbatches while the previous step's finish (loop.py `overlap`)
     log_json: str | None = None  # one JSON object per optimizer step to this file
     log_windows: str | None = None  # one JSON line per trained microbatch, naming its windows (tests, benchmarks)
     device: str | None = None  # --local: None for auto

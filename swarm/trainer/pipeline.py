@@ -131,4 +131,4 @@ def train_pipeline(run: RunConfig, addresses: list[str], opts: TrainerOptions) -
     steps = opts.steps or run.training.steps
     desc = f"train ({run.stages.count} stages, {opts.inflight} in flight)"
     progress = RunLog(steps, opts.log_json, desc=desc, log_windows=opts.log_windows)
-    return run_training(run, caller, progress, steps, opts.inflight)
+    return run_training(run, caller, progress, steps, opts.inflight, overlap=opts.delayed_updates)

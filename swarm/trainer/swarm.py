@@ -268,7 +268,7 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
     trainers of one run read disjoint shards; with `opts.data` (its own files), or from a coordinator
     that leases none, it reads every shard itself."""
 
-    def own_files_only(run: RunConfig) -> None:
+    def refused(run: RunConfig) -> None:
         # The coordinator chooses the run, not what this machine reads and sends to stage-0 peers.
         paths = run.data.local_paths()
         if paths and not opts.data and not opts.allow_config_files:
@@ -276,9 +276,16 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
                 f"{coordinator}'s run config names local files for the data ({', '.join(paths)}): a trainer "
                 "reads local files only from its own --data PATH, or with --allow-config-files"
             )
+        fraction = run.verify.fraction if opts.verify_fraction is None else opts.verify_fraction
+        if opts.delayed_updates and fraction > 0:
+            raise ConfigError(
+                f"--delayed-updates: spot checks (verify.fraction {fraction:g}) compare two replicas' answers "
+                "computed on the weights of the step a call names, and with delayed updates a replica answers "
+                "before or after its step: turn them off with --verify-fraction 0"
+            )
 
     run, initial_peers, dht, member = join_dht(
-        coordinator, "trainer", opts.join_token, opts.join_wait, check=own_files_only, client_mode=True
+        coordinator, "trainer", opts.join_token, opts.join_wait, check=refused, client_mode=True
     )
     if opts.data:
         run = run.with_data(opts.data)
@@ -308,6 +315,7 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
             start=start,
             on_step=lambda r: members.report(r, calls.bans),
             source=source,
+            overlap=opts.delayed_updates,
         )
     finally:
         if source is not None:
