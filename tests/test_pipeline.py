@@ -17,7 +17,7 @@ from swarm.trainer import StaticCaller, microbatch
 from swarm.trainer.loop import run_training
 from swarm.wire import decode
 from tests.conftest import CONFIGS, run_cli
-from tests.processes import start_peer
+from tests.processes import start_coordinator, start_peer
 
 
 def write_config(tmp_path, name: str, stages: int, layers=None, codec="none", **training) -> tuple:
@@ -252,3 +252,19 @@ def test_delayed_updates_send_the_next_steps_microbatches_before_the_last_ones_e
     sync, delayed = final_loss(records[False]), final_loss(records[True])
     assert delayed < 0.65 * records[True][0]["loss"], f"delayed updates did not train: {delayed:.4f}"
     assert delayed < 1.25 * sync, f"delayed updates: loss {delayed:.4f} vs {sync:.4f} synchronous"
+
+
+def test_delayed_updates_are_refused_where_spot_checks_would_misjudge_them_and_without_stages(tmp_path):
+    """A replica may answer a delayed step's call before or after its own step, so two honest replicas
+    could disagree: a trainer of a swarm whose run checks answers refuses --delayed-updates before it
+    joins; --local has no stages to delay."""
+    coordinator, url = start_coordinator(CONFIGS / "tiny.toml", tmp_path / "coordinator.log")
+    try:
+        result = run_cli("train", "--coordinator", url, "--steps", "1", "--delayed-updates")
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "--delayed-updates" in result.stderr and "--verify-fraction 0" in result.stderr, result.stderr[-3000:]
+    finally:
+        coordinator.stop()
+    result = run_cli("train", "--local", "--config", str(CONFIGS / "tiny.toml"), "--delayed-updates")
+    assert result.returncode == 2 and "--delayed-updates is for --peers or --coordinator" in result.stderr
+    assert "Traceback" not in result.stderr
