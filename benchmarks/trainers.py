@@ -59,12 +59,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--replicas", type=int, default=1, help="peers per stage")
     p.add_argument("--inflight", type=int, default=4)
+    p.add_argument(
+        "--delayed-updates",
+        action="store_true",
+        help="the trainers send a step's microbatches while the previous step's finish (spot checks off)",
+    )
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up when a phase runs longer than this")
     p.add_argument("--log-dir", default=None, help="where the logs go (default: a new /tmp/swarm-trainers-* dir)")
 
 
-def train(url: str, name: str, steps: int, inflight: int, tmp: Path) -> Proc:
+def train(url: str, name: str, steps: int, inflight: int, tmp: Path, delayed: bool = False) -> Proc:
     args = ["train", "--coordinator", url, "--steps", str(steps), "--inflight", str(inflight)]
+    if delayed:
+        args += ["--delayed-updates", "--verify-fraction", "0"]
     args += ["--log-json", str(tmp / f"{name}.jsonl"), "--log-windows", str(tmp / f"{name}.windows")]
     return Proc(args, tmp / f"{name}.log")
 
@@ -132,12 +139,12 @@ def run(args: argparse.Namespace) -> str:
                 procs.append(peers[name])
         wait_online(url, peers)
 
-        alone = {"solo": train(url, "solo", args.steps, args.inflight, tmp)}
+        alone = {"solo": train(url, "solo", args.steps, args.inflight, tmp, args.delayed_updates)}
         procs += alone.values()
         one, one_s = samples_per_s(finish(alone, tmp, args.timeout_s), args.warmup, cfg.model.seq_len)
         print(f"one trainer: {one:.1f} samples/s over {one_s:.1f} s", flush=True)
 
-        pair = {name: train(url, name, args.steps, args.inflight, tmp) for name in ("a", "b")}
+        pair = {name: train(url, name, args.steps, args.inflight, tmp, args.delayed_updates) for name in ("a", "b")}
         procs += pair.values()
         two, two_s = samples_per_s(finish(pair, tmp, args.timeout_s), args.warmup, cfg.model.seq_len)
         print(f"two trainers: {two:.1f} samples/s over {two_s:.1f} s", flush=True)
@@ -163,7 +170,9 @@ def run(args: argparse.Namespace) -> str:
             f"{ratio:.2f}",
             f"goal >= {GOAL}: {'met' if ratio >= GOAL else 'not met'}; ceiling from the peers' delays "
             f"{ceiling:.2f}x one trainer; {args.replicas} peer(s) per stage, {acc} microbatches of "
-            f"{cfg.training.micro_batch} per step, {args.inflight} in flight; rates after {args.warmup} steps of each "
+            f"{cfg.training.micro_batch} per step, {args.inflight} in flight"
+            f"{', delayed updates (spot checks off)' if args.delayed_updates else ''}; "
+            f"rates after {args.warmup} steps of each "
             f"trainer ({one_s:.0f} s alone, {two_s:.0f} s together); windows trained twice: {twice}; eval off; "
             f"1 torch thread per peer; load avg {load_avg:.1f} at start",
         ],
