@@ -1,7 +1,7 @@
 """The CUDA paths: a stage worker in bf16 against float32 on CPU, checkpointed activations' peak
 memory, the memory estimate against what a 125m stage really allocates, `swarm peer --dry-run`
-on the GPU, and a 2 x 2 swarm of peers on the GPU whose replicas average (gradients, DiLoCo).
-Run on a GPU machine: `python -m pytest -q -m gpu tests/test_gpu.py`."""
+on the GPU, and a 2 x 2 swarm of peers on the GPU whose replicas average (gradients with int8 or
+PowerSGD, DiLoCo). Run on a GPU machine: `python -m pytest -q -m gpu tests/test_gpu.py`."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def test_swarm_peer_dry_run_on_cuda_prints_the_estimates():
     assert "-> fits" in done.stdout
 
 
-@pytest.mark.parametrize("spec", ["int8", "diloco int8"])
+@pytest.mark.parametrize("spec", ["int8", "powersgd", "diloco int8"])
 def test_a_two_by_two_swarm_on_cuda_averages_and_its_replicas_stay_bitwise_equal(tmp_path, spec):
     """Real processes: a coordinator, four peers on the GPU (two per stage) and a trainer. The weights
     and gradients live on the GPU, the averager's buffers in host memory."""
