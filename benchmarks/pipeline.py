@@ -87,7 +87,9 @@ def with_codec(run: RunConfig, codec: str, path: Path, source: Path) -> RunConfi
 
 def train_through_workers(cfg_path: Path, cfg: RunConfig, args: argparse.Namespace, tmp: Path, delayed: bool):
     """Two fresh stage workers serving `cfg`, trained through for `args.steps` steps; the records."""
-    procs, addresses = start_workers(cfg_path, cfg.stages.count, args.threads, args.device, tmp)
+    procs, addresses = start_workers(
+        cfg_path, cfg.stages.count, args.threads, args.device, tmp, "--inflight", str(args.inflight)
+    )
     try:
         opts = TrainerOptions(steps=args.steps, inflight=args.inflight, delayed_updates=delayed)
         return train_pipeline(cfg, addresses, opts)
