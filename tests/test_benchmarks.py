@@ -147,7 +147,7 @@ def test_wire_smoke_times_calls_over_mutual_tls_too(smoke_runs):
 def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
     """The averaging rows' bytes per parameter come from the peers' step logs: at the tiny size, with
     int8 averaging, 2 replicas per stage, about 1 byte a value each way (more than 0, less than 4)
-    every step; with DiLoCo in phases of 3 steps, one average in the 3 steps."""
+    in a step that averaged; with DiLoCo in phases of 3 steps, one average in the 3 steps."""
     _, futures = smoke_runs
     done, results = futures["averaging"].result()
     assert done.returncode == 0, f"python -m benchmarks averaging exited {done.returncode}:\n{done.stderr[-3000:]}"
@@ -160,7 +160,9 @@ def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
     assert (every["averaging mode"], diloco["averaging mode"]) == ("gradients", "diloco3"), rows
     per_step = float(every["averaging bytes / param / step"])
     assert 0.5 < per_step < 4, every
-    assert 0 < float(diloco["averaging bytes / param / step"]) < per_step / 2, diloco
+    # One int8 round in the 3 steps: about 2 bytes a value over 3 steps. (The gradients run may have
+    # averaged alone in a step, so its figure is between one and three rounds' worth.)
+    assert 0 < float(diloco["averaging bytes / param / step"]) < min(per_step, 1.0), (diloco, every)
 
 
 def test_pipeline_smoke_puts_delayed_updates_beside_the_synchronous_run(smoke_runs):
