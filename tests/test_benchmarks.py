@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +66,8 @@ TINY = {
     "wire": ["--reps", "2", "--warmup", "1", "--codecs", "bf16", "--modules", "noop", "--batch", "2"],
 }
 
+SMOKE_TIMEOUT_S = 420
+
 # A row of any benchmark's table: "| date | machine | ...".
 ROW_START = "| 20"
 
@@ -102,7 +105,20 @@ def smoke_run(name: str, tmp) -> tuple[subprocess.CompletedProcess, object]:
     env["PYTHONUNBUFFERED"] = "1"
     options = [arg.format(tmp=tmp) for arg in TINY[name]]
     args = [sys.executable, "-m", "benchmarks", "--results", str(results), name, *options]
-    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=420), results
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        out, err = proc.communicate(timeout=SMOKE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # Interrupted, a benchmark stops the processes it started (its finally blocks): each runs in a
+        # process group of its own, and killed outright it left them running, a load on every later test.
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        err += f"\n(interrupted after {SMOKE_TIMEOUT_S} s)"
+    return subprocess.CompletedProcess(args, proc.returncode, out, err), results
 
 
 @pytest.fixture(scope="module")
