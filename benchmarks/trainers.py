@@ -12,7 +12,9 @@ what the delays allow, replicas / (the busiest peer's delay per sample: 2d, or 2
 stage), over one trainer's rate: how much room there was (with 2 stages the peers' delays alone
 fill their time at about 2x, so 1.8x needs them busy 90% of the time; with more stages there is
 more room). It leaves out what each step costs besides the samples (the stages' norm exchange,
-averaging between replicas), which two trainers pay twice as often. Then `swarm train --coordinator
+averaging between replicas), which two trainers pay twice as often; `--averaging int8/diloco10` has the
+replicas average every 10th step only (DiLoCo), so that with `--replicas 2` a step costs no all-reduce.
+Then `swarm train --coordinator
 URL --steps N` once alone, and twice at once; the trainers lease disjoint shards from the coordinator
 (`--log-windows` names the windows each trained).
 
@@ -31,11 +33,14 @@ import collections
 import time
 from pathlib import Path
 
+from benchmarks.averaging import variant
 from benchmarks.common import (
     JsonTail,
     Proc,
+    averaging_spec,
     log_dir,
     read_jsonl,
+    spec_name,
     start_coordinator,
     start_peer,
     stop_all,
@@ -47,6 +52,7 @@ from swarm.config import dump_config, load_config
 
 SECTION = "trainers: one vs two trainers on one swarm (disjoint shards leased from the coordinator)"
 GOAL = 1.8
+LOOPBACK_MATCHMAKING_S = 0.5  # the replicas' matchmaking time, as the averaging benchmark's default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--delays", default="0.05,0.1", help="seconds per sample added by the peer of each stage (stage 0 first)"
     )
     p.add_argument("--replicas", type=int, default=1, help="peers per stage")
+    p.add_argument(
+        "--averaging",
+        type=lambda text: spec_name(averaging_spec(text)),
+        default=None,
+        help="how the replicas of a stage average, as benchmarks name it (benchmarks/common.py `averaging_spec`), "
+        "e.g. int8/diloco10 (a step then costs no all-reduce but every 10th); default: the config's",
+    )
     p.add_argument("--inflight", type=int, default=4)
     p.add_argument(
         "--delayed-updates",
@@ -124,6 +137,8 @@ def run(args: argparse.Namespace) -> str:
         raise SystemExit(f"--steps {args.steps}: needs more than --warmup + 1 ({args.warmup + 1})")
     tmp = log_dir(args.log_dir, "trainers")
     config, load_avg = without_eval(args.config, tmp, "trainers")
+    if args.averaging is not None:
+        config.write_text(variant(config, load_config(config).wire.codec, args.averaging, LOOPBACK_MATCHMAKING_S))
     cfg = load_config(config).with_stages(args.stages)
     config.write_text(dump_config(cfg))
 
@@ -171,6 +186,7 @@ def run(args: argparse.Namespace) -> str:
             f"goal >= {GOAL}: {'met' if ratio >= GOAL else 'not met'}; ceiling from the peers' delays "
             f"{ceiling:.2f}x one trainer; {args.replicas} peer(s) per stage, {acc} microbatches of "
             f"{cfg.training.micro_batch} per step, {args.inflight} in flight"
+            f"{f', averaging {args.averaging}' if args.averaging else ''}"
             f"{', delayed updates (spot checks off)' if args.delayed_updates else ''}; "
             f"rates after {args.warmup} steps of each "
             f"trainer ({one_s:.0f} s alone, {two_s:.0f} s together); windows trained twice: {twice}; eval off; "

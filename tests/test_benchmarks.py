@@ -21,7 +21,9 @@ from benchmarks.__main__ import BENCHMARKS
 from benchmarks.averaging import SECTION as AVERAGING_SECTION
 from benchmarks.net import unavailable
 from benchmarks.pipeline import DELAYED_SECTION
+from benchmarks.trainers import SECTION as TRAINERS_SECTION
 from benchmarks.wire import TLS_SECTION
+from swarm.config import load_config
 from tests.conftest import ROOT
 
 LOGS = ("--log-dir", "{tmp}/logs")  # the benchmarks that start processes keep their logs with the test
@@ -47,7 +49,10 @@ TINY = {
     ],
     "rebalance": ["--delays", "0,0.05", "--start", "0,0", "--period", "1", "--hold", "1", "--timeout-s", "90", *LOGS],
     "simulate": ["--peers", "40", "--minutes", "4", "--policies", "swarm,static"],
-    "trainers": ["--steps", "12", "--warmup", "1", "--delays", "0.005,0.01", "--timeout-s", "240", *LOGS],
+    "trainers": [
+        *("--steps", "12", "--warmup", "1", "--delays", "0.005,0.01", "--averaging", "int8/diloco3"),
+        *("--timeout-s", "240", *LOGS),
+    ],
     "verify": ["--steps", "3", "--repeat", "0", "--tail", "2", *LOGS],
     "wan": [
         "--config",
@@ -191,3 +196,16 @@ def test_pipeline_smoke_puts_delayed_updates_beside_the_synchronous_run(smoke_ru
     rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith(ROW_START)]
     assert found and len(rows) == 2, results.read_text()
     assert all(float(row.split("|")[10]) > 0 and float(row.split("|")[12]) > 0 for row in rows), rows
+
+
+def test_trainers_smoke_runs_its_swarm_with_the_averaging_it_names(smoke_runs):
+    """`--averaging int8/diloco3`: the coordinator's run config (the one the peers joined) averages with
+    DiLoCo every 3 steps in int8, and the row says so."""
+    _, futures = smoke_runs
+    done, results = futures["trainers"].result()
+    assert done.returncode == 0, f"python -m benchmarks trainers exited {done.returncode}:\n{done.stderr[-3000:]}"
+    _, found, section = results.read_text().partition(f"## {TRAINERS_SECTION}\n")
+    rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith(ROW_START)]
+    assert found and len(rows) == 1 and "averaging int8/diloco3" in rows[0], results.read_text()
+    averaging = load_config(results.parent / "logs" / "run.toml").averaging
+    assert (averaging.mode, averaging.inner_steps, averaging.compression) == ("diloco", 3, "int8"), averaging
