@@ -1,10 +1,15 @@
 """DiLoCo inside a stage (`[averaging] mode = "diloco"`, peer/averaging.py): real replicas of stage 1,
 each on a DHT node of its own, driven step by step in one process: inner steps apart, an outer step
 that leaves them bitwise equal at the value DiLoCo's update gives, a joiner mid-phase that takes the
-outer weights and momentum, and a replica whose partner left keeping its own inner progress."""
+outer weights and momentum, and a replica whose partner left (closed, or SIGKILLed in a process of its
+own) keeping its own inner progress."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +19,9 @@ import torch
 from peer.averaging import SwarmUpdater, live_partners, weights_digest
 from swarm.model import Stage
 from swarm.optim import make_optimizer, param_groups, primed
+from swarm.records import visible_maddrs
 from swarm.schedule import lr_at
+from tests.processes import ROOT
 from tests.test_averaging import FAST_AVERAGING, StageOne, config_with
 
 H = 3  # inner steps per phase
@@ -71,9 +78,19 @@ def take_step(replicas: list[SwarmUpdater], grads: list[list[torch.Tensor]], sam
         time.sleep(0.05)
     before = [r.epoch for r in replicas]
     with ThreadPoolExecutor(len(replicas)) as pool:
-        used = list(pool.map(lambda r: r.step(samples), replicas))
+        used = list(pool.map(lambda r: step_until_taken(r, samples), replicas))
     assert used == [samples] * len(replicas)
     assert [r.epoch for r in replicas] == [b + 1 for b in before]
+
+
+def step_until_taken(replica: SwarmUpdater, samples: int) -> int:
+    """The replica's step, tried again while it takes none (the stage's count changed between the check
+    and the step: a partner's report that came or went), as the worker's stepper tries again."""
+    deadline = time.monotonic() + ROUND_S
+    while (used := replica.step(samples)) == 0:
+        assert time.monotonic() < deadline, "the replica never took its step"
+        time.sleep(0.05)
+    return used
 
 
 def inner_phase(run, start: list[torch.Tensor], grads: list[list[torch.Tensor]], first: int) -> list[torch.Tensor]:
@@ -166,11 +183,80 @@ def test_a_replica_whose_partner_left_mid_phase_keeps_its_own_inner_progress(sta
     for _ in range(H - 1):  # the trainers now send a the whole batch; its mean gradient stays ga
         take_step([a], [ga], run.training.global_batch)
     assert time.monotonic() - started < ROUND_S  # it never waited a round out for b
+    assert_outer_step_alone(a, start, ga)
+
+
+def assert_outer_step_alone(a: SwarmUpdater, start: list[torch.Tensor], ga: list[torch.Tensor]) -> None:
+    """`a` ended the phase with an outer step on its own pseudo-gradient alone: nothing of its phase was
+    lost, nothing of its departed partner's half phase came in."""
+    run = a.run
     assert a.epoch == H and a.last_step["group"] == 1, a.last_step
-    # Its outer step used its own pseudo-gradient alone: nothing of its phase was lost, nothing of b's
-    # half phase came in.
     inner_a = inner_phase(run, start, [ga] * H, 0)
     av = run.averaging
     for got, s, x in zip(weights(a.module), start, inner_a, strict=True):
         expected = s - av.outer_lr * (1 + av.outer_momentum) * (s - x)
         assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
+
+
+# Replica b of stage 1 in a process of its own, so that it can be killed outright (its DHT node and
+# p2pd too, with the process group): joined to the DHT at argv[2:], it takes the stage's first inner step
+# on half the global batch when told (a line on stdin), then idles until killed.
+KILLED_PARTNER = """
+import sys, time
+from hivemind.utils.crypto import RSAPrivateKey
+from peer.averaging import SwarmUpdater
+from swarm.config import load_config
+from swarm.model import Stage
+from swarm.records import PeerRecord, announce_peer, make_dht
+from tests.test_diloco import gradient, serve
+run = load_config(sys.argv[1])
+dht = make_dht(sys.argv[2:], record_key=RSAPrivateKey())
+record = PeerRecord(peer_id=dht.peer_id.to_base58(), stage=1, address="127.0.0.1:1", state="online")
+assert announce_peer(dht, run.run_id, record, ttl=600, timeout=30)
+b = SwarmUpdater(run, 1, Stage(run, 1), dht)
+b.load_state()
+print("ready", flush=True)
+sys.stdin.readline()
+half = run.training.global_batch // 2
+serve(b, gradient(run, 2), half)
+while not b.ready(half):
+    time.sleep(0.05)
+assert b.step(half) == half
+print("stepped", b.epoch, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_replica_whose_partner_was_killed_mid_phase_keeps_its_own_inner_progress(stage_one, tmp_path):
+    """As above, but the partner is SIGKILLed with its DHT node: it leaves no word, and its records and
+    progress report stay in the DHT until they expire."""
+    run = stage_one.run
+    a = stage_one.replica(stage_one.node(stage=1))
+    start, ga, half = weights(a.module), gradient(run, 1), run.training.global_batch // 2
+    config = tmp_path / "run.toml"
+    args = [sys.executable, "-c", KILLED_PARTNER, str(config), *visible_maddrs(a.opt.dht)]
+    b = subprocess.Popen(
+        args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert b.stdout.readline().strip() == "ready"
+        b.stdin.write("step\n")
+        b.stdin.flush()
+        serve(a, ga, half)  # the first step of the phase, on half the global batch each
+        deadline = time.monotonic() + 30
+        while not a.ready(half):
+            assert time.monotonic() < deadline, "the stage's count never reached the global batch"
+            time.sleep(0.05)
+        assert a.step(half) == half and a.epoch == 1
+        assert b.stdout.readline().split() == ["stepped", "1"]
+        os.killpg(b.pid, signal.SIGKILL)  # mid phase: one inner step of H taken
+        b.wait()
+        started = time.monotonic()
+        for _ in range(H - 1):
+            take_step([a], [ga], run.training.global_batch)
+        assert time.monotonic() - started < ROUND_S  # it never waited a round out for the dead partner
+        assert_outer_step_alone(a, start, ga)
+    finally:
+        if b.poll() is None:
+            os.killpg(b.pid, signal.SIGKILL)
+            b.wait()
