@@ -22,7 +22,7 @@ from swarm.optim import make_optimizer, param_groups, primed
 from swarm.records import visible_maddrs
 from swarm.schedule import lr_at
 from tests.processes import ROOT
-from tests.test_averaging import FAST_AVERAGING, StageOne, config_with
+from tests.test_averaging import FAST_AVERAGING, StageOne, config_with, step_until_taken
 
 H = 3  # inner steps per phase
 ROUND_S = 60.0  # averaging_timeout_s
@@ -78,19 +78,9 @@ def take_step(replicas: list[SwarmUpdater], grads: list[list[torch.Tensor]], sam
         time.sleep(0.05)
     before = [r.epoch for r in replicas]
     with ThreadPoolExecutor(len(replicas)) as pool:
-        used = list(pool.map(lambda r: step_until_taken(r, samples), replicas))
+        used = list(pool.map(lambda r: step_until_taken(r, samples, ROUND_S), replicas))
     assert used == [samples] * len(replicas)
     assert [r.epoch for r in replicas] == [b + 1 for b in before]
-
-
-def step_until_taken(replica: SwarmUpdater, samples: int) -> int:
-    """The replica's step, tried again while it takes none (the stage's count changed between the check
-    and the step: a partner's report that came or went), as the worker's stepper tries again."""
-    deadline = time.monotonic() + ROUND_S
-    while (used := replica.step(samples)) == 0:
-        assert time.monotonic() < deadline, "the replica never took its step"
-        time.sleep(0.05)
-    return used
 
 
 def inner_phase(run, start: list[torch.Tensor], grads: list[list[torch.Tensor]], first: int) -> list[torch.Tensor]:
