@@ -60,6 +60,8 @@ CURVES = "averaging: loss curves"
 PLOT_NAME = "averaging_loss.svg"  # beside the results file
 GOALS = {"none": 0.02, "int8": 0.03}  # by wire codec
 
+LOOPBACK_MATCHMAKING_S = 0.5  # averaging.matchmaking_time_s for replicas on one machine
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/tiny.toml")
@@ -72,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated WIRE/COMPRESSION[/dilocoH]: the wire codec, [averaging] compression and (DiLoCo, H "
         "inner steps) mode of each swarm run",
     )
-    p.add_argument("--matchmaking", type=float, default=0.5, help="averaging.matchmaking_time_s (loopback)")
+    p.add_argument(
+        "--matchmaking", type=float, default=LOOPBACK_MATCHMAKING_S, help="averaging.matchmaking_time_s (loopback)"
+    )
     p.add_argument("--tail", type=int, default=10, help="steps averaged into the final loss")
     p.add_argument("--every", type=int, default=10, help="steps between rows of the loss-curve table")
     p.add_argument("--log-dir", default=None)

@@ -33,7 +33,7 @@ import collections
 import time
 from pathlib import Path
 
-from benchmarks.averaging import variant
+from benchmarks.averaging import LOOPBACK_MATCHMAKING_S, variant
 from benchmarks.common import (
     JsonTail,
     Proc,
@@ -52,7 +52,6 @@ from swarm.config import dump_config, load_config
 
 SECTION = "trainers: one vs two trainers on one swarm (disjoint shards leased from the coordinator)"
 GOAL = 1.8
-LOOPBACK_MATCHMAKING_S = 0.5  # the replicas' matchmaking time, as the averaging benchmark's default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -65,6 +65,14 @@ def see_each_other(replicas: list[SwarmUpdater], timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
+def wait_ready(replica: SwarmUpdater, samples: int, timeout: float = 30) -> None:
+    """Until the stage's count, with `samples` of this replica's, reaches the global batch (as the stepper waits)."""
+    deadline = time.monotonic() + timeout
+    while not replica.ready(samples):
+        assert time.monotonic() < deadline, "the stage's count never reached the global batch"
+        time.sleep(0.05)
+
+
 def take_step(replicas: list[SwarmUpdater], grads: list[list[torch.Tensor]], samples: int) -> None:
     """One global step on every replica at once (an all-reduce, or diloco's outer step, needs them together)."""
     for r, g in zip(replicas, grads, strict=True):
@@ -72,10 +80,8 @@ def take_step(replicas: list[SwarmUpdater], grads: list[list[torch.Tensor]], sam
     a = replicas[0].run.averaging
     if len(replicas) > 1 and (a.mode == "gradients" or (replicas[0].epoch + 1) % a.inner_steps == 0):
         see_each_other(replicas)
-    deadline = time.monotonic() + 30
-    while not all(r.ready(samples) for r in replicas):  # as the stepper waits
-        assert time.monotonic() < deadline, "the stage's count never reached the global batch"
-        time.sleep(0.05)
+    for r in replicas:
+        wait_ready(r, samples)
     before = [r.epoch for r in replicas]
     with ThreadPoolExecutor(len(replicas)) as pool:
         used = list(pool.map(lambda r: step_until_taken(r, samples, ROUND_S), replicas))
@@ -198,7 +204,7 @@ from peer.averaging import SwarmUpdater
 from swarm.config import load_config
 from swarm.model import Stage
 from swarm.records import PeerRecord, announce_peer, make_dht
-from tests.test_diloco import gradient, serve
+from tests.test_diloco import gradient, serve, wait_ready
 run = load_config(sys.argv[1])
 dht = make_dht(sys.argv[2:], record_key=RSAPrivateKey())
 record = PeerRecord(peer_id=dht.peer_id.to_base58(), stage=1, address="127.0.0.1:1", state="online")
@@ -209,8 +215,7 @@ print("ready", flush=True)
 sys.stdin.readline()
 half = run.training.global_batch // 2
 serve(b, gradient(run, 2), half)
-while not b.ready(half):
-    time.sleep(0.05)
+wait_ready(b, half)
 assert b.step(half) == half
 print("stepped", b.epoch, flush=True)
 time.sleep(600)
@@ -233,10 +238,7 @@ def test_a_replica_whose_partner_was_killed_mid_phase_keeps_its_own_inner_progre
         b.stdin.write("step\n")
         b.stdin.flush()
         serve(a, ga, half)  # the first step of the phase, on half the global batch each
-        deadline = time.monotonic() + 30
-        while not a.ready(half):
-            assert time.monotonic() < deadline, "the stage's count never reached the global batch"
-            time.sleep(0.05)
+        wait_ready(a, half)
         assert a.step(half) == half and a.epoch == 1
         assert b.stdout.readline().split() == ["stepped", "1"]
         os.killpg(b.pid, signal.SIGKILL)  # mid phase: one inner step of H taken
