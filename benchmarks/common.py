@@ -109,19 +109,21 @@ def last_val(records: list[dict]) -> float | None:
 
 def averaging_spec(text: str) -> dict:
     """An averaging variant as benchmarks name it: `COMPRESSION` (gradients averaged every step) or
-    `COMPRESSION/dilocoH[-lrLR][-mM]` (DiLoCo, H inner steps, outer learning rate and momentum), e.g.
+    `COMPRESSION/dilocoH[-lrLR][-mM][-pinned]` (DiLoCo, H inner steps, outer learning rate and momentum,
+    pinned paths: `[averaging] paths`), e.g.
     `int8/diloco10-lr1-m0` -> the [averaging] settings {"compression": "int8", "mode": "diloco",
     "inner_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.0}; `powersgdR` is powersgd of rank R
     (plain `powersgd`: the config's default rank); refused with the choices."""
     compression, _, mode = text.strip().partition("/")
     choices = ", ".join(get_args(GradCompression))
-    found = re.fullmatch(r"diloco(\d+)(?:-lr(\d+(?:\.\d+)?))?(?:-m(\d+(?:\.\d+)?))?", mode)
+    found = re.fullmatch(r"diloco(\d+)(?:-lr(\d+(?:\.\d+)?))?(?:-m(\d+(?:\.\d+)?))?(-pinned)?", mode)
     ranked = re.fullmatch(r"powersgd(\d+)", compression)
     known = compression in get_args(GradCompression) or (ranked is not None and int(ranked.group(1)) >= 1)
     if not known or (mode and (found is None or int(found.group(1)) < 1)):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: COMPRESSION or COMPRESSION/dilocoH[-lrLR][-mM], with COMPRESSION one of {choices} "
-            "(powersgdR: of rank R), H >= 1 inner steps, LR the outer learning rate and M its momentum"
+            f"{text!r}: COMPRESSION or COMPRESSION/dilocoH[-lrLR][-mM][-pinned], with COMPRESSION one of {choices} "
+            "(powersgdR: of rank R), H >= 1 inner steps, LR the outer learning rate, M its momentum, and -pinned "
+            "for pinned paths"
         )
     base = {"compression": "powersgd", "rank": int(ranked.group(1))} if ranked else {"compression": compression}
     if not mode:
@@ -130,6 +132,8 @@ def averaging_spec(text: str) -> dict:
     for key, value in (("outer_lr", found.group(2)), ("outer_momentum", found.group(3))):
         if value is not None:
             settings[key] = float(value)
+    if found.group(4):
+        settings["paths"] = "pinned"
     return settings
 
 
@@ -143,6 +147,8 @@ def spec_name(settings: dict) -> str:
         name += f"-lr{settings['outer_lr']:g}"
     if "outer_momentum" in settings:
         name += f"-m{settings['outer_momentum']:g}"
+    if settings.get("paths") == "pinned":
+        name += "-pinned"
     return name
 
 

@@ -214,6 +214,12 @@ class AveragingConfig(_Strict):
     outer_momentum: float = Field(
         0.5, ge=0, lt=1, description="diloco: the outer step's Nesterov momentum (DiLoCo's 0.9 suits H in the hundreds)"
     )
+    paths: Literal["routed", "pinned"] = Field(
+        "routed",
+        description="diloco: routed: each stage's replica is picked for each microbatch by the router; pinned: a "
+        "microbatch goes on to the replica of the next stage that its replica of the previous stage fed before, so "
+        "that each replica trains beside the same replicas of the other stages within an inner phase",
+    )
 
     @model_validator(mode="after")
     def _timeouts(self) -> AveragingConfig:

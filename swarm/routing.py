@@ -234,3 +234,36 @@ class Router:
         if peer.outstanding == 0:
             # Nothing in flight: the peer is idle now, whatever our estimate said, so estimates don't drift.
             peer.busy_until = now
+
+
+class Lanes:
+    """Pinned paths (`[averaging] paths = "pinned"`): which replica of stage k takes the microbatches that a
+    given replica of stage k - 1 served, so that each replica trains beside the same replicas of the other
+    stages. Under DiLoCo the replicas of a stage hold weights of their own between two outer steps; a
+    replica of stage k - 1 whose outputs feed one replica of stage k learns against that replica's weights
+    only, as a worker of DiLoCo trains its whole model alone.
+
+    A replica of stage k - 1 is paired with a replica of stage k the first time one of its microbatches
+    is routed on: the router picks among the replicas of stage k not paired yet (`taken` is what to
+    avoid), then `pin` records whoever served it. A pair ends when either replica leaves the stage's
+    routing, and moves when the partner failed and the call went elsewhere. Pure: no locks, no clock."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[int, dict[str, str]] = {}  # stage k -> {replica of stage k - 1: replica of stage k}
+
+    def partner(self, stage: int, after: str, previous: Collection[str], current: Collection[str]) -> str | None:
+        """The replica of `stage` that `after` (of stage - 1) feeds, None when unpaired; pairs of replicas
+        no longer routed to (`previous`: stage - 1's, `current`: stage's) are dropped first."""
+        pairs = self._pairs.setdefault(stage, {})
+        for prev, cur in list(pairs.items()):
+            if prev not in previous or cur not in current:
+                del pairs[prev]
+        return pairs.get(after)
+
+    def taken(self, stage: int) -> set[str]:
+        """Replicas of `stage` already paired: a replica of stage - 1 not paired yet avoids them."""
+        return set(self._pairs.get(stage, {}).values())
+
+    def pin(self, stage: int, after: str, peer: str) -> None:
+        """`peer` of `stage` served a microbatch that `after` of stage - 1 served before it."""
+        self._pairs.setdefault(stage, {})[after] = peer

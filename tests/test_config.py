@@ -60,6 +60,7 @@ def test_coordinator_stages_option_is_validated():
             "'none', 'fp16', 'int8' or 'powersgd'",
         ),
         (lambda d: d.setdefault("averaging", {}).update(compression="powersgd", rank=0), "averaging.rank", "1"),
+        (lambda d: d.setdefault("averaging", {}).update(paths="sticky"), "averaging.paths", "'routed' or 'pinned'"),
         (lambda d: d["model"].update(tie_embeddings=True), "model.tie_embeddings", "stages.count = 1"),
         (lambda d: d["data"].update(source="files"), "data.path", "required"),
         (lambda d: d.update(run_id="has space"), "run_id", "letters, digits and . _ - only"),

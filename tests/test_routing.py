@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from swarm.routing import PeerStats, Router, backoff
+from swarm.routing import Lanes, PeerStats, Router, backoff
 
 
 def measured(router: Router, speeds: dict[str, float], now: float = 0.0) -> None:
@@ -368,3 +368,31 @@ def test_garbage_announcements_count_as_unmeasured():
 def test_bad_router_options_raise(kwargs):
     with pytest.raises(ValueError):
         Router(**kwargs)
+
+
+def test_lanes_pair_each_replica_with_one_of_the_next_stage_and_keep_the_pair():
+    lanes = Lanes()
+    previous, current = {"a0", "b0"}, {"a1", "b1"}
+    assert lanes.partner(1, "a0", previous, current) is None and lanes.taken(1) == set()
+    lanes.pin(1, "a0", "b1")
+    assert lanes.partner(1, "a0", previous, current) == "b1"
+    # b0 is not paired yet: it avoids the replica a0 feeds.
+    assert lanes.partner(1, "b0", previous, current) is None and lanes.taken(1) == {"b1"}
+    lanes.pin(1, "b0", "a1")
+    assert lanes.partner(1, "b0", previous, current) == "a1" and lanes.taken(1) == {"a1", "b1"}
+    assert lanes.partner(2, "a1", current, {"a2"}) is None  # stages pair apart
+
+
+def test_a_lane_ends_when_either_replica_leaves_and_moves_when_its_call_went_elsewhere():
+    lanes = Lanes()
+    lanes.pin(1, "a0", "a1")
+    lanes.pin(1, "b0", "b1")
+    # b1 left stage 1: b0's pair ends, a0's stays.
+    assert lanes.partner(1, "b0", {"a0", "b0"}, {"a1"}) is None
+    assert lanes.taken(1) == {"a1"} and lanes.partner(1, "a0", {"a0", "b0"}, {"a1"}) == "a1"
+    # a0 left stage 0: its pair ends too, and a1 is free for a newcomer.
+    assert lanes.partner(1, "c0", {"b0", "c0"}, {"a1", "c1"}) is None and lanes.taken(1) == set()
+    # A call that failed on the partner and went to another replica moves the lane there.
+    lanes.pin(1, "c0", "a1")
+    lanes.pin(1, "c0", "c1")
+    assert lanes.partner(1, "c0", {"c0"}, {"a1", "c1"}) == "c1" and lanes.taken(1) == {"c1"}

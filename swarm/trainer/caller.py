@@ -76,9 +76,10 @@ class StageCaller(Protocol):
         send: ForwardSend,
         check: Check | None = None,
         mb_id: str = "",
+        after: str | None = None,
     ) -> tuple[pb.ForwardResponse, str]:
         """One forward call of microbatch `name` (e.g. "12.3": step and index; `mb_id`: its id as the
-        peers see it) to `stage`; `send` makes it."""
+        peers see it) to `stage`; `send` makes it; `after`: the worker of stage - 1 that served it."""
         ...
 
     def backward(

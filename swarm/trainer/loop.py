@@ -140,6 +140,7 @@ def microbatch(
             lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t),
             output_ok,
             mb_id=mb_id,
+            after=served_by[k - 1] if k else None,
         )
         heard(k, peer, out)
         inputs.append(out.output)
@@ -156,6 +157,7 @@ def microbatch(
         ),
         loss_ok,
         mb_id=mb_id,
+        after=served_by[-1] if served_by else None,
     )
     heard(last, peer, out)
     if train:

@@ -87,8 +87,9 @@ class StaticCaller:
         send: ForwardSend,
         check: Check | None = None,
         mb_id: str = "",
+        after: str | None = None,
     ) -> tuple[pb.ForwardResponse, str]:
-        return self.call(stage, samples, lambda c: send(c, train), check=check)
+        return self.call(stage, samples, lambda c: send(c, train), check=check)  # (one worker a stage)
 
     def backward(
         self,

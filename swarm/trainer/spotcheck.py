@@ -70,10 +70,11 @@ class SpotCheckCaller:
         send: ForwardSend,
         check: Check | None = None,
         mb_id: str = "",
+        after: str | None = None,
     ) -> tuple[pb.ForwardResponse, str]:
         last = stage == self.run.stages.count - 1
         if not train or not self._due(stage, name):
-            return self.inner.forward(stage, samples, name, train, send, check, mb_id)
+            return self.inner.forward(stage, samples, name, train, send, check, mb_id, after)
         if not last:  # the check is a training forward too; the gradient comes with the backward
             return self._checked(stage, samples, name, mb_id, lambda c: send(c, True), lambda c: send(c, True), check)
         rtols = (LOSS_RTOL[self.run.model.dtype], self._rtol())

@@ -22,6 +22,7 @@ from swarm.data import shards
 from swarm.identity import Member
 from swarm.join import join_dht
 from swarm.progress import RunLog
+from swarm.routing import Lanes
 from swarm.rpc import pb
 from swarm.trainer.caller import REQUEST_FAULTS, BackwardSend, CallerClosed, Check, ForwardSend, RunFailed, T, event
 from swarm.trainer.clients import IdleClients
@@ -82,6 +83,10 @@ class SwarmCaller:
         self.bad_answers = 0  # answers that failed their check: blamed on the peer, retried elsewhere
         self._closed = threading.Event()  # set by close(): calls in progress end
         self._called: dict[str, str] = {}  # peer id -> the address it was last called at (`direct`)
+        # Pinned paths (DiLoCo): a microbatch goes on to the replica its previous stage's replica fed before.
+        self.pinned = run.averaging.mode == "diloco" and run.averaging.paths == "pinned"
+        self.lanes = Lanes()
+        self._lanes_lock = threading.Lock()
 
     def client(self, peer: str, address: str) -> StageClient:
         """The client for `peer` at `address`: its channel checks that the server there is `peer`."""
@@ -207,8 +212,19 @@ class SwarmCaller:
         send: ForwardSend,
         check: Check | None = None,
         mb_id: str = "",
+        after: str | None = None,
     ) -> tuple[pb.ForwardResponse, str]:
-        return self.call(stage, samples, lambda c: send(c, train), check=check)
+        if not self.pinned or after is None:
+            return self.call(stage, samples, lambda c: send(c, train), check=check)
+        with self.members.stage(stage - 1) as (_, addresses):
+            previous = set(addresses)
+        with self.members.stage(stage) as (_, addresses), self._lanes_lock:
+            partner = self.lanes.partner(stage, after, previous, addresses)
+            avoid = self.lanes.taken(stage) if partner is None else set()
+        answer, peer = self.call(stage, samples, lambda c: send(c, train), prefer=partner, avoid=avoid, check=check)
+        with self._lanes_lock:
+            self.lanes.pin(stage, after, peer)
+        return answer, peer
 
     def backward(
         self,
