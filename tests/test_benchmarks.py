@@ -8,6 +8,7 @@ codecs of a comparison); what the rows say at this size is not checked, only tha
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import signal
@@ -19,6 +20,7 @@ import pytest
 
 from benchmarks.__main__ import BENCHMARKS
 from benchmarks.averaging import SECTION as AVERAGING_SECTION
+from benchmarks.common import averaging_spec, spec_name
 from benchmarks.net import unavailable
 from benchmarks.pipeline import DELAYED_SECTION
 from benchmarks.trainers import SECTION as TRAINERS_SECTION
@@ -28,7 +30,7 @@ from tests.conftest import ROOT
 
 LOGS = ("--log-dir", "{tmp}/logs")  # the benchmarks that start processes keep their logs with the test
 TINY = {
-    "averaging": ["--steps", "3", "--variants", "none/int8,none/int8/diloco3", "--every", "1", "--tail", "2", *LOGS],
+    "averaging": ["--steps", "3", "--variants", "none/int8,none/int8/diloco3-pinned", "--every", "1", "--tail", "2", *LOGS],
     "chaos": [
         *("--stages", "2", "--per-stage", "2", "--steps", "6", "--no-baseline"),
         *("--kill-min-s", "3", "--kill-max-s", "4", "--coordinator-at", "2", "--coordinator-down-s", "2"),
@@ -168,7 +170,8 @@ def test_wire_smoke_times_calls_over_mutual_tls_too(smoke_runs):
 def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
     """The averaging rows' bytes per parameter come from the peers' step logs: at the tiny size, with
     int8 averaging, 2 replicas per stage, about 1 byte a value each way (more than 0, less than 4)
-    in a step that averaged; with DiLoCo in phases of 3 steps, one average in the 3 steps."""
+    in a step that averaged; with DiLoCo in phases of 3 steps, one average in the 3 steps, its trainer's
+    paths pinned as the variant names it (`-pinned`: the run config its peers joined says so)."""
     _, futures = smoke_runs
     done, results = futures["averaging"].result()
     assert done.returncode == 0, f"python -m benchmarks averaging exited {done.returncode}:\n{done.stderr[-3000:]}"
@@ -178,7 +181,9 @@ def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
     names = [c.strip() for c in header.split("|")]
     every, diloco = (dict(zip(names, [c.strip() for c in row.split("|")], strict=True)) for row in rows)
     assert every["averaging compression"] == diloco["averaging compression"] == "int8", rows
-    assert (every["averaging mode"], diloco["averaging mode"]) == ("gradients", "diloco3"), rows
+    assert (every["averaging mode"], diloco["averaging mode"]) == ("gradients", "diloco3-pinned"), rows
+    averaging = load_config(results.parent / "logs" / "none-int8-diloco3-pinned" / "run.toml").averaging
+    assert (averaging.mode, averaging.inner_steps, averaging.paths) == ("diloco", 3, "pinned"), averaging
     per_step = float(every["averaging bytes / param / step"])
     assert 0.5 < per_step < 4, every
     # One int8 round in the 3 steps: about 2 bytes a value over 3 steps. (The gradients run may have
@@ -209,3 +214,27 @@ def test_trainers_smoke_runs_its_swarm_with_the_averaging_it_names(smoke_runs):
     assert found and len(rows) == 1 and "averaging int8/diloco3" in rows[0], results.read_text()
     averaging = load_config(results.parent / "logs" / "run.toml").averaging
     assert (averaging.mode, averaging.inner_steps, averaging.compression) == ("diloco", 3, "int8"), averaging
+
+
+@pytest.mark.parametrize(
+    "name, settings",
+    [
+        ("int8", {"compression": "int8"}),
+        ("powersgd2", {"compression": "powersgd", "rank": 2}),
+        ("int8/diloco10", {"compression": "int8", "mode": "diloco", "inner_steps": 10}),
+        (
+            "none/diloco5-lr1-m0-pinned",
+            {"compression": "none", "mode": "diloco", "inner_steps": 5, "outer_lr": 1.0, "outer_momentum": 0.0}
+            | {"paths": "pinned"},
+        ),
+    ],
+)
+def test_an_averaging_variant_reads_as_its_settings_and_back(name, settings):
+    assert averaging_spec(name) == settings
+    assert spec_name(settings) == name
+
+
+@pytest.mark.parametrize("name", ["zip", "int8/diloco0", "int8/pinned", "int8/diloco10-pinned-lr1", "int8/gossip"])
+def test_a_malformed_averaging_variant_is_refused_with_the_form_it_takes(name):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"COMPRESSION/dilocoH\[-lrLR\]\[-mM\]\[-pinned\]"):
+        averaging_spec(name)
