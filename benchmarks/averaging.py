@@ -71,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--variants",
         type=variants,
         default="none/none,none/int8,int8/int8,int8/int8/diloco10",
-        help="comma-separated WIRE/COMPRESSION[/dilocoH]: the wire codec, [averaging] compression and (DiLoCo, H "
-        "inner steps) mode of each swarm run",
+        help="comma-separated WIRE/COMPRESSION[/dilocoH[-lrLR][-mM][-pinned]]: the wire codec, [averaging] "
+        "compression and (DiLoCo, H inner steps, outer learning rate and momentum, pinned paths) mode of each swarm run",
     )
     p.add_argument(
         "--matchmaking", type=float, default=LOOPBACK_MATCHMAKING_S, help="averaging.matchmaking_time_s (loopback)"
