@@ -63,6 +63,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.power_sgd_averager import AllReducePhases, PowerSGDGradientAverager
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
@@ -82,6 +83,7 @@ from swarm.records import (
     read_digests,
     read_norm_shares,
     read_progress,
+    read_replica_digests,
     read_trainers,
     stage_members,
     state_holders_key,
@@ -593,6 +595,24 @@ def set_epoch(opt: hivemind.Optimizer, step: int) -> None:
     offer(opt.grad_averager, step)
 
 
+def report_progress(opt: hivemind.Optimizer) -> None:
+    """Store this replica's progress report (its step) in the DHT now, as hivemind's tracker does. The
+    tracker stops storing the reports of a peer that served no samples in its last two steps (an
+    auxiliary peer, to hivemind) and, once its last report expires, counts it out of the stage: the
+    other replica's outer step then found no peer to average with and stepped alone, and this one,
+    never ready, loaded its state, though it held a phase of inner steps (diloco: on 2 CPU cores a
+    stage-0 replica that the trainer had stopped sending work missed every outer round). hivemind
+    has no public way to store it: the key, the subkey and the report are its tracker's own."""
+    tracker = opt.tracker
+    opt.dht.store(
+        tracker.training_progress_key,
+        subkey=tracker._local_public_key,
+        value=tracker.local_progress.dict(),
+        expiration_time=get_dht_time() + tracker.metadata_expiration,
+        return_future=True,
+    )
+
+
 def offer(averager: hivemind.DecentralizedAverager, priority: float) -> None:
     """Offer this replica's state to the stage's late joiners at `priority` (the highest is taken from).
     An averager in client mode (a peer behind a router: nobody can dial it) offers none."""
@@ -620,6 +640,7 @@ class SwarmUpdater:
         `declared(samples)`: the count this replica tells the stage it holds (a test's liar lies)."""
         self.run, self.stage, self.module, self.declared = run, stage, module, declared
         self.credible_at = (0.0, 0)  # when the stage's credible sample count was last read, and what it was
+        self.lagging_at = (0.0, False)  # diloco: when the partners' steps were last read, and whether one lags
         self.liars: set[str] = set()  # peers whose progress reports claimed more than any replica holds
         t, a = run.training, run.averaging
         self.prefix = averaging_prefix(run.run_id, stage)
@@ -729,6 +750,8 @@ class SwarmUpdater:
         progress = self.opt.tracker.global_progress
         if pending > 0 and progress.epoch == self.epoch + 1:
             return True
+        if self.diloco and (self.epoch + 1) % self.run.averaging.inner_steps == 0 and self._partner_lagging():
+            return False
         return (
             progress.samples_accumulated >= self.run.training.global_batch
             # hivemind averages only when its tracker sees another peer; until this peer's own
@@ -756,6 +779,28 @@ class SwarmUpdater:
             self.liars.update(liars)
             self.credible_at = (time.monotonic(), total)
         return total + pending
+
+    def _partner_lagging(self) -> bool:
+        """diloco, before an outer step: whether a live replica of the stage is still at an earlier step
+        of this phase (it served none of the last step's samples, and moves on once it sees the stage
+        ahead: peer/stepper.py `maybe_step`). Its phase of inner steps belongs in the average: stepping
+        at once, on the samples of the last step alone, averaged this replica alone and made the other
+        load its state (on an H100 the stage-1 replicas of a 2 x 2 swarm averaged in 4 of 40 outer
+        rounds, with H = 5). The replicas' steps are read from the digests they publish after every
+        step (hivemind's tracker stops reporting a peer that serves no samples). A replica that lags
+        further, or answers no ping, is not waited for; and the stepper's deadline still steps once a
+        trainer waits (`force`). Read at most every 0.25 s."""
+        read_at, lagging = self.lagging_at
+        if time.monotonic() - read_at > 0.25:
+            H, me = self.run.averaging.inner_steps, self.opt.dht.peer_id.to_base58()
+            late = [
+                PeerID.from_base58(d.peer_id).to_bytes()
+                for d in read_replica_digests(self.opt.dht, self.run.run_id, self.stage)
+                if d.peer_id != me and d.step < self.epoch and d.step // H == self.epoch // H
+            ]
+            lagging = bool(late) and bool(answering(self.opt.dht, late, timeout=PING_TIMEOUT_S))
+            self.lagging_at = (time.monotonic(), lagging)
+        return lagging
 
     def behind(self, pending: int) -> bool:
         """This replica's weights are not the stage's: it missed a step (served nothing toward it, or
@@ -928,8 +973,14 @@ class SwarmUpdater:
             before % self.run.averaging.inner_steps + 1,
             self.run.averaging.inner_steps,
         )
-        self.check.publish(self.epoch, weights_digest(self.held))
+        self._announce_inner_step()
         return pending
+
+    def _announce_inner_step(self) -> None:
+        """diloco, after a step without an all-reduce: the weights' digest (the outer weights, and the
+        step that `_partner_lagging` reads), and this replica's progress report (`report_progress`)."""
+        self.check.publish(self.epoch, weights_digest(self.held))
+        report_progress(self.opt)
 
     def _start_phase(self) -> None:
         """diloco: the inner weights become the outer ones (after an outer step or a load)."""
@@ -979,7 +1030,7 @@ class SwarmUpdater:
                 # own inner progress and moves on to the stage's step.
                 set_epoch(self.opt, ahead)
                 self.inner_at = None
-                self.check.publish(self.epoch, weights_digest(self.held))
+                self._announce_inner_step()
                 return f"the stage's step {ahead} (same outer weights)"
         others = self._state_holders() - {self.opt.dht.peer_id.to_bytes()}
         digest = weights_digest(self.held)

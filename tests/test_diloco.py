@@ -1,7 +1,8 @@
 """DiLoCo inside a stage (`[averaging] mode = "diloco"`, peer/averaging.py): real replicas of stage 1,
 each on a DHT node of its own, driven step by step in one process: inner steps apart, an outer step
 that leaves them bitwise equal at the value DiLoCo's update gives, a joiner mid-phase that takes the
-outer weights and momentum, and a replica whose partner left (closed, or SIGKILLed in a process of its
+outer weights and momentum, an outer step that waits for a live replica one step behind (it served none
+of the last step's samples), and a replica whose partner left (closed, or SIGKILLed in a process of its
 own) keeping its own inner progress."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from peer.averaging import SwarmUpdater, live_partners, weights_digest
 from swarm.model import Stage
 from swarm.optim import make_optimizer, param_groups, primed
-from swarm.records import visible_maddrs
+from swarm.records import TTL_S, visible_maddrs
 from swarm.schedule import lr_at
 from tests.processes import ROOT
 from tests.test_averaging import FAST_AVERAGING, StageOne, config_with, step_until_taken
@@ -180,6 +181,88 @@ def test_a_replica_whose_partner_left_mid_phase_keeps_its_own_inner_progress(sta
         take_step([a], [ga], run.training.global_batch)
     assert time.monotonic() - started < ROUND_S  # it never waited a round out for b
     assert_outer_step_alone(a, start, ga)
+
+
+def test_an_outer_step_waits_for_a_live_replica_one_step_behind(stage_one):
+    """A replica that served none of a step's samples lags the stage by that step until it sees the stage
+    ahead (its stepper then moves it on, keeping its inner progress). An outer step taken meanwhile by
+    a replica that served the whole batch must wait for it: its phase belongs in the average."""
+    run = stage_one.run
+    a, b, _, ga, gb, half = two_replicas(stage_one)
+    full = run.training.global_batch
+    for _ in range(H - 2):
+        take_step([a, b], [ga, gb], half)
+    serve(a, ga, full)  # the phase's last inner step: the trainers send a the whole batch
+    wait_ready(a, full)
+    assert step_until_taken(a, full, ROUND_S) == full
+    assert (a.epoch, b.epoch) == (H - 1, H - 2)
+
+    serve(a, ga, full)  # the outer step's batch, all on a again, before b has moved on
+    see_each_other([a, b])
+    time.sleep(1.0)  # every read a's readiness makes is past the reports above
+    assert not a.ready(full), "the outer step did not wait for a live replica of the stage one step behind"
+
+    deadline = time.monotonic() + 30
+    while not b.behind(0):  # as b's stepper finds, once its tracker sees the stage ahead
+        assert time.monotonic() < deadline, "b never saw the stage ahead"
+        time.sleep(0.05)
+    assert "same outer weights" in b.load_state() and b.epoch == H - 1
+    wait_ready(a, full)
+    wait_ready(b, 0)
+
+    def outer_step_with_nothing_served() -> None:
+        while b.epoch < H:  # a step with no samples of its own takes place and returns 0
+            assert time.monotonic() < deadline + ROUND_S, "b never took the outer step"
+            b.step(0)
+            time.sleep(0.05)
+
+    with ThreadPoolExecutor(2) as pool:
+        stepped = [pool.submit(step_until_taken, a, full, ROUND_S), pool.submit(outer_step_with_nothing_served)]
+        assert stepped[0].result() == full and stepped[1].result() is None
+    assert a.last_step["group"] == b.last_step["group"] == 2, (a.last_step, b.last_step)
+    assert a.last_step["reduced_bytes"] > 0
+    for x, y in zip(weights(a.module), weights(b.module), strict=True):
+        assert torch.equal(x, y), "the replicas left the outer step apart"
+
+
+def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part_in_the_outer_step(stage_one):
+    """hivemind stops reporting the progress of a peer that serves no samples; once its last report
+    expired, the stage counted one peer, and the outer step averaged the replica that served alone. A
+    replica that follows the stage's steps without serving holds a phase of inner steps all the same."""
+    run = stage_one.run
+    a, b, _, ga, gb, half = two_replicas(stage_one)
+    full = run.training.global_batch
+    take_step([a, b], [ga, gb], half)  # b's last samples
+    silent = time.monotonic()
+    for _ in range(H - 2):  # the rest of the phase's inner steps: a serves the whole batch, b follows
+        serve(a, ga, full)
+        wait_ready(a, full)
+        assert step_until_taken(a, full, ROUND_S) == full
+        time.sleep(TTL_S / 2 + 1)
+        deadline = time.monotonic() + 30
+        while not b.behind(0):
+            assert time.monotonic() < deadline, "b never saw the stage ahead"
+            time.sleep(0.05)
+        assert "same outer weights" in b.load_state() and b.epoch == a.epoch
+    time.sleep(max(0.0, silent + TTL_S + 1 - time.monotonic()))  # b's report from its last samples expired
+
+    serve(a, ga, full)  # the outer step, all on a
+    wait_ready(a, full)
+    wait_ready(b, 0)
+    deadline = time.monotonic() + ROUND_S
+
+    def outer_step_with_nothing_served() -> None:
+        while b.epoch < H:
+            assert time.monotonic() < deadline, "b never took the outer step"
+            b.step(0)
+            time.sleep(0.05)
+
+    with ThreadPoolExecutor(2) as pool:
+        stepped = [pool.submit(step_until_taken, a, full, ROUND_S), pool.submit(outer_step_with_nothing_served)]
+        assert stepped[0].result() == full and stepped[1].result() is None
+    assert a.last_step["group"] == b.last_step["group"] == 2, (a.last_step, b.last_step)
+    for x, y in zip(weights(a.module), weights(b.module), strict=True):
+        assert torch.equal(x, y), "the replicas left the outer step apart"
 
 
 def assert_outer_step_alone(a: SwarmUpdater, start: list[torch.Tensor], ga: list[torch.Tensor]) -> None:
