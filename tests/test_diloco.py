@@ -183,6 +183,38 @@ def test_a_replica_whose_partner_left_mid_phase_keeps_its_own_inner_progress(sta
     assert_outer_step_alone(a, start, ga)
 
 
+def follow_the_stage(b: SwarmUpdater) -> None:
+    """As b's stepper does once its tracker sees the stage a step ahead and b has nothing of its own to
+    step: move on to the stage's step, keeping its inner progress."""
+    deadline = time.monotonic() + 30
+    while not b.behind(0):
+        assert time.monotonic() < deadline, "b never saw the stage ahead"
+        time.sleep(0.05)
+    assert "same outer weights" in b.load_state()
+
+
+def outer_step_together(a: SwarmUpdater, b: SwarmUpdater) -> None:
+    """The phase's outer step, a holding the whole batch and b none of it: both average, in one group."""
+    full = a.run.training.global_batch
+    wait_ready(a, full)
+    wait_ready(b, 0)
+    deadline = time.monotonic() + ROUND_S
+
+    def outer_step_with_nothing_served() -> None:
+        while b.epoch < H:  # a step with no samples of its own takes place and returns 0
+            assert time.monotonic() < deadline, "b never took the outer step"
+            b.step(0)
+            time.sleep(0.05)
+
+    with ThreadPoolExecutor(2) as pool:
+        stepped = [pool.submit(step_until_taken, a, full, ROUND_S), pool.submit(outer_step_with_nothing_served)]
+        assert stepped[0].result() == full and stepped[1].result() is None
+    assert a.last_step["group"] == b.last_step["group"] == 2, (a.last_step, b.last_step)
+    assert a.last_step["reduced_bytes"] > 0
+    for x, y in zip(weights(a.module), weights(b.module), strict=True):
+        assert torch.equal(x, y), "the replicas left the outer step apart"
+
+
 def test_an_outer_step_waits_for_a_live_replica_one_step_behind(stage_one):
     """A replica that served none of a step's samples lags the stage by that step until it sees the stage
     ahead (its stepper then moves it on, keeping its inner progress). An outer step taken meanwhile by
@@ -202,27 +234,9 @@ def test_an_outer_step_waits_for_a_live_replica_one_step_behind(stage_one):
     time.sleep(1.0)  # every read a's readiness makes is past the reports above
     assert not a.ready(full), "the outer step did not wait for a live replica of the stage one step behind"
 
-    deadline = time.monotonic() + 30
-    while not b.behind(0):  # as b's stepper finds, once its tracker sees the stage ahead
-        assert time.monotonic() < deadline, "b never saw the stage ahead"
-        time.sleep(0.05)
-    assert "same outer weights" in b.load_state() and b.epoch == H - 1
-    wait_ready(a, full)
-    wait_ready(b, 0)
-
-    def outer_step_with_nothing_served() -> None:
-        while b.epoch < H:  # a step with no samples of its own takes place and returns 0
-            assert time.monotonic() < deadline + ROUND_S, "b never took the outer step"
-            b.step(0)
-            time.sleep(0.05)
-
-    with ThreadPoolExecutor(2) as pool:
-        stepped = [pool.submit(step_until_taken, a, full, ROUND_S), pool.submit(outer_step_with_nothing_served)]
-        assert stepped[0].result() == full and stepped[1].result() is None
-    assert a.last_step["group"] == b.last_step["group"] == 2, (a.last_step, b.last_step)
-    assert a.last_step["reduced_bytes"] > 0
-    for x, y in zip(weights(a.module), weights(b.module), strict=True):
-        assert torch.equal(x, y), "the replicas left the outer step apart"
+    follow_the_stage(b)
+    assert b.epoch == H - 1
+    outer_step_together(a, b)
 
 
 def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part_in_the_outer_step(stage_one):
@@ -239,30 +253,12 @@ def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part
         wait_ready(a, full)
         assert step_until_taken(a, full, ROUND_S) == full
         time.sleep(TTL_S / 2 + 1)
-        deadline = time.monotonic() + 30
-        while not b.behind(0):
-            assert time.monotonic() < deadline, "b never saw the stage ahead"
-            time.sleep(0.05)
-        assert "same outer weights" in b.load_state() and b.epoch == a.epoch
+        follow_the_stage(b)
+        assert b.epoch == a.epoch
     time.sleep(max(0.0, silent + TTL_S + 1 - time.monotonic()))  # b's report from its last samples expired
 
     serve(a, ga, full)  # the outer step, all on a
-    wait_ready(a, full)
-    wait_ready(b, 0)
-    deadline = time.monotonic() + ROUND_S
-
-    def outer_step_with_nothing_served() -> None:
-        while b.epoch < H:
-            assert time.monotonic() < deadline, "b never took the outer step"
-            b.step(0)
-            time.sleep(0.05)
-
-    with ThreadPoolExecutor(2) as pool:
-        stepped = [pool.submit(step_until_taken, a, full, ROUND_S), pool.submit(outer_step_with_nothing_served)]
-        assert stepped[0].result() == full and stepped[1].result() is None
-    assert a.last_step["group"] == b.last_step["group"] == 2, (a.last_step, b.last_step)
-    for x, y in zip(weights(a.module), weights(b.module), strict=True):
-        assert torch.equal(x, y), "the replicas left the outer step apart"
+    outer_step_together(a, b)
 
 
 def assert_outer_step_alone(a: SwarmUpdater, start: list[torch.Tensor], ga: list[torch.Tensor]) -> None:
