@@ -750,9 +750,7 @@ class SwarmUpdater:
         progress = self.opt.tracker.global_progress
         if pending > 0 and progress.epoch == self.epoch + 1:
             return True
-        if self.diloco and (self.epoch + 1) % self.run.averaging.inner_steps == 0 and self._partner_lagging():
-            return False
-        return (
+        counted = (
             progress.samples_accumulated >= self.run.training.global_batch
             # hivemind averages only when its tracker sees another peer; until this peer's own
             # report shows up in a fetch it may see just one, and would step alone.
@@ -764,6 +762,9 @@ class SwarmUpdater:
                 or self._credible(pending) >= self.run.training.global_batch
             )
         )
+        # diloco, an outer step: the DHT reads and pings only once the count is there.
+        outer = self.diloco and (self.epoch + 1) % self.run.averaging.inner_steps == 0
+        return counted and not (outer and self._partner_lagging())
 
     def _credible(self, pending: int) -> int:
         """The samples the stage holds toward this replica's step, leaving out the progress reports that
