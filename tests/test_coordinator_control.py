@@ -35,11 +35,20 @@ def wait_until(ok, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path, coordinator_args=("--token", TOKEN))
-    yield s
-    s.close()
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    """a0 on stage 0, a1 and b1 on stage 1, and a trainer of 300 steps past its third: one training
+    run for the tests of the operator's control, which leave it training."""
+    s = Swarm(tmp_path_factory.mktemp("controlled"), coordinator_args=("--token", TOKEN))
+    try:
+        for name, stage in [("a0", 0), ("a1", 1), ("b1", 1)]:
+            s.add_peer(name, stage)
+        s.wait_online(["a0", "a1", "b1"])
+        s.train(steps=300)
+        s.wait_steps(3)
+        yield s
+    finally:
+        s.close()
 
 
 def test_control_needs_the_operator_token_and_is_off_without_one(tmp_path, monkeypatch):
@@ -74,12 +83,6 @@ def test_control_needs_the_operator_token_and_is_off_without_one(tmp_path, monke
 
 
 def test_pause_holds_the_trainer_between_steps_and_resume_lets_it_go(swarm):
-    swarm.add_peer("p0", 0)
-    swarm.add_peer("p1", 1)
-    swarm.wait_online(["p0", "p1"])
-    swarm.train(steps=300)
-    swarm.wait_steps(3)
-
     assert post(swarm.url, "/api/v1/control/pause", OPERATOR).json() == {"paused": True}
     wait_for_output(swarm.trainer, r"paused by the operator", timeout=20)
     held = len(swarm.records())
@@ -88,20 +91,14 @@ def test_pause_holds_the_trainer_between_steps_and_resume_lets_it_go(swarm):
     assert swarm.trainer.popen.poll() is None
 
     assert post(swarm.url, "/api/v1/control/resume", OPERATOR).json() == {"paused": False}
-    swarm.wait_steps(held + 3, timeout=30)
+    swarm.wait_steps(held + 3, timeout=60)
     steps = [r["step"] for r in swarm.records()]
     assert steps == list(range(len(steps)))  # no step skipped or repeated across the pause
 
 
 def test_a_removed_peer_leaves_by_itself_and_training_goes_on(swarm):
-    for name, stage in [("a0", 0), ("a1", 1), ("b1", 1)]:
-        swarm.add_peer(name, stage)
-    state = swarm.wait_online(["a0", "a1", "b1"])
-    swarm.train(steps=300)
-    swarm.wait_steps(3)
-
     victim = swarm.peers["b1"]
-    peer_id = peer_record(state, "b1")["peer_id"]
+    peer_id = peer_record(swarm.wait_online(["a0", "a1", "b1"]), "b1")["peer_id"]
     assert post(swarm.url, f"/api/v1/peers/{peer_id}/remove", OPERATOR).json() == {"removed": peer_id}
     assert victim.popen.wait(timeout=30) == 0, victim.output()[-3000:]
     assert "removed from the run by the operator" in victim.output()
