@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=variants,
         default="none/none,none/int8,int8/int8,int8/int8/diloco10",
         help="comma-separated WIRE/COMPRESSION[/dilocoH[-lrLR][-mM][-pinned]]: the wire codec, [averaging] "
-        "compression and (DiLoCo, H inner steps, outer learning rate and momentum, pinned paths) mode of each swarm run",
+        "compression and (DiLoCo, H inner steps, outer learning rate and momentum, pinned paths) mode of each "
+        "swarm run",
     )
     p.add_argument(
         "--matchmaking", type=float, default=LOOPBACK_MATCHMAKING_S, help="averaging.matchmaking_time_s (loopback)"

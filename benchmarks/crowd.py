@@ -130,7 +130,7 @@ class Crowd:
 
     def wait_listed(self, url: str, timeout_s: float) -> float:
         """Seconds from the first store until the coordinator's /api/v1/state lists every record (it
-        re-reads the DHT every second)."""
+        re-reads the DHT every coordinator.run.READ_EVERY_S)."""
         with httpx.Client(timeout=30) as client:
             while True:
                 state = client.get(f"{url}/api/v1/state").json()

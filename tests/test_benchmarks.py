@@ -31,7 +31,17 @@ from tests.conftest import ROOT
 
 LOGS = ("--log-dir", "{tmp}/logs")  # the benchmarks that start processes keep their logs with the test
 TINY = {
-    "averaging": ["--steps", "3", "--variants", "none/int8,none/int8/diloco3-pinned", "--every", "1", "--tail", "2", *LOGS],
+    "averaging": [
+        "--steps",
+        "3",
+        "--variants",
+        "none/int8,none/int8/diloco3-pinned",
+        "--every",
+        "1",
+        "--tail",
+        "2",
+        *LOGS,
+    ],
     "chaos": [
         *("--stages", "3", "--per-stage", "2", "--steps", "8", "--no-baseline"),
         *("--kill-min-s", "3", "--kill-max-s", "4", "--coordinator-at", "2", "--coordinator-down-s", "2"),

@@ -201,7 +201,7 @@ def test_dashboard_follows_a_training_swarm_and_a_killed_peer(tmp_path, page):
         assert [s["counts"]["online"] for s in snap["stages"]] == [1, 2]
 
         swarm.peers["b1"].stop(signal.SIGKILL)
-        # its record expires within 12 s; the coordinator reads every second and the page polls every second
+        # its record expires within 12 s; the coordinator reads every 2 s and the page polls every second
         dash.wait("b1 gone", lambda s: "b1" not in table_names(s) | box_names(s), timeout=30)
         snap = dash.wait(
             "b1's failure in the event log",
