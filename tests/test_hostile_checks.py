@@ -18,13 +18,16 @@ For each: every step completes, the liars are banned where a majority of machine
 honest peer is ever banned, and the final validation
 loss is at most 3% above the reference trainer's (`swarm train --local`, the same config and steps;
 an honest swarm of tiny.toml ends 20 steps a few percent below it, its shards being leased in another
-order, so the bound is one-sided: what an attack may not do is make the model worse).
+order, so the bound is one-sided: what an attack may not do is make the model worse). The runs are 12
+steps long, the Sybils' beside two honest machines 20: their lies before the ban cost 5% of the loss
+at step 12 (3.72 against 3.53), which the next steps win back.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,16 +36,28 @@ from benchmarks.ledger import count
 from tests.conftest import run_cli
 from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
 
-STEPS = 20
+STEPS = 12
+SYBIL_STEPS = 20
 LOSS_RTOL = 0.03  # the final loss within 3% of an honest run's
 
 
-def reference_loss(config: Path, tmp: Path) -> float:
-    """The final validation loss of the single-process reference trainer on `config`."""
-    log = tmp / "reference.jsonl"
-    result = run_cli("train", "--local", "--config", str(config), "--steps", str(STEPS), "--log-json", str(log))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(log.read_text().splitlines()[-1])["val_loss"]
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Callable[[int], float]:
+    """The final validation loss of the single-process reference trainer on tiny.toml after a number of
+    steps, trained once for each number: the stage count and the checked fraction that the tests set
+    do not enter a single process's training (2 and 3 stages gave the same loss to the last digit)."""
+    losses: dict[int, float] = {}
+
+    def loss(steps: int) -> float:
+        if steps not in losses:
+            log = tmp_path_factory.mktemp("reference") / "reference.jsonl"
+            args = ("train", "--local", "--config", str(TINY), "--steps", str(steps), "--log-json", str(log))
+            result = run_cli(*args)
+            assert result.returncode == 0, result.stderr[-3000:]
+            losses[steps] = json.loads(log.read_text().splitlines()[-1])["val_loss"]
+        return losses[steps]
+
+    return loss
 
 
 def checked_config(tmp: Path, fraction: float, stages: int = 2) -> Path:
@@ -58,19 +73,16 @@ def banned_peers(out: str) -> list[tuple[str, str]]:
     return re.findall(r"spot check: banned peer (\S+) of stage (\d+)", out)
 
 
-def assert_trained_like_the_reference(
-    swarm: Swarm, config: Path, tmp: Path, accumulation: int = ACCUMULATION
-) -> list[dict]:
+def assert_trained_like_the_reference(swarm: Swarm, reference: float, steps: int = STEPS) -> list[dict]:
     records = swarm.finish_training()
-    assert len(records) == STEPS and records[-1]["microbatches"] == STEPS * accumulation, records[-1:]
-    reference = reference_loss(config, tmp)
+    assert len(records) == steps and records[-1]["microbatches"] == steps * ACCUMULATION, records[-1:]
     val = records[-1]["val_loss"]
     print(f"final validation loss {val:.4f}, reference {reference:.4f}")
     assert val <= reference * (1 + LOSS_RTOL), (val, reference)
     return records
 
 
-def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_path):
+def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_path, reference):
     config = checked_config(tmp_path, 0.5)
     swarm = Swarm(tmp_path, config)
     try:
@@ -83,7 +95,7 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_p
         state = swarm.wait_online(["honest0a", "honest0b", "liar", "honest1"])
         liar = peer_record(state, "liar")["peer_id"]
         swarm.train(STEPS, 4, 20)
-        assert_trained_like_the_reference(swarm, config, tmp_path)
+        assert_trained_like_the_reference(swarm, reference(STEPS))
         out = swarm.trainer.output()
         assert banned_peers(out) == [(liar, "0")], out[-3000:]  # the liar, and nobody else
         liar_log = (tmp_path / "liar.log").read_text()
@@ -93,7 +105,9 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_p
 
 
 @pytest.mark.parametrize("where", ["last stage", "inner backward"])
-def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_gradients_taken_back(tmp_path, where):
+def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_gradients_taken_back(
+    tmp_path, where, reference
+):
     stages = 2 if where == "last stage" else 3
     config = checked_config(tmp_path, 0.5, stages)
     swarm = Swarm(tmp_path, config)
@@ -110,7 +124,7 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
         state = swarm.wait_online(names)
         liar = peer_record(state, "liar")["peer_id"]
         swarm.train(STEPS, 4, 20)
-        records = assert_trained_like_the_reference(swarm, config, tmp_path)
+        records = assert_trained_like_the_reference(swarm, reference(STEPS))
         out = swarm.trainer.output()
         assert banned_peers(out) == [(liar, "1")], out[-3000:]  # the liar, and nobody else
         last = records[-1]
@@ -126,7 +140,7 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
 
 
 @pytest.mark.parametrize("honest", [1, 2])
-def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(tmp_path, honest):
+def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(tmp_path, honest, reference):
     """Beside one honest machine the two Sybils are one voter against one: nobody can tell who is
     right, the disagreements are counted and nobody is banned (the Sybils used to outvote the honest
     peer and have it banned). Beside two honest machines they are outvoted and banned."""
@@ -141,12 +155,13 @@ def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(tmp_path, ho
             swarm.add_peer(name, 1, "--host", "127.0.0.99", "--corrupt-outputs", "0.5")
         state = swarm.wait_online(["s0", *honest_names, "sybil1", "sybil2"])
         ids = {name: peer_record(state, name)["peer_id"] for name in (*honest_names, "sybil1", "sybil2")}
-        swarm.train(STEPS, 4, 20)
+        steps = SYBIL_STEPS if honest == 2 else STEPS
+        swarm.train(steps, 4, 20)
         if honest == 2:
-            records = assert_trained_like_the_reference(swarm, config, tmp_path)
+            records = assert_trained_like_the_reference(swarm, reference(steps), steps)
         else:  # half the stage's answers are lies nobody can single out: no bound on the loss
             records = swarm.finish_training()
-            assert len(records) == STEPS and records[-1]["microbatches"] == STEPS * ACCUMULATION
+            assert len(records) == steps and records[-1]["microbatches"] == steps * ACCUMULATION
         out = swarm.trainer.output()
         banned = {peer for peer, _ in banned_peers(out)}
         assert not banned & {ids[n] for n in honest_names}, out[-3000:]  # no honest peer, ever
