@@ -32,15 +32,8 @@ from tests.conftest import ROOT
 LOGS = ("--log-dir", "{tmp}/logs")  # the benchmarks that start processes keep their logs with the test
 TINY = {
     "averaging": [
-        "--steps",
-        "3",
-        "--variants",
-        "none/int8,none/int8/diloco3-pinned",
-        "--every",
-        "1",
-        "--tail",
-        "2",
-        *LOGS,
+        *("--steps", "3", "--variants", "none/int8,none/int8/diloco3-pinned"),
+        *("--every", "1", "--tail", "2", *LOGS),
     ],
     "chaos": [
         *("--stages", "3", "--per-stage", "2", "--steps", "8", "--no-baseline"),
@@ -91,6 +84,11 @@ pytestmark = pytest.mark.timeout(SMOKE_TIMEOUT_S + 120)
 
 # A row of any benchmark's table: "| date | machine | ...".
 ROW_START = "| 20"
+
+
+def cells(header: str, row: str) -> dict[str, str]:
+    """A results table's row, by the names of its columns."""
+    return dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")], strict=True))
 
 
 def digest(path) -> str:
@@ -195,16 +193,16 @@ def test_chaos_smoke_survives_killed_peers_a_dead_coordinator_and_a_frozen_peer(
     for event in ("SIGKILL to the coordinator", "coordinator started again", "SIGSTOP", "SIGCONT", "SIGKILL to peer"):
         assert event in events, f"no {event!r} among the events:\n{events}"
     header, _, row = [line for line in results.read_text().splitlines() if line.startswith("|")][-3:]
-    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")], strict=True))
-    steps = int(cells["steps"])
+    row = cells(header, row)
+    steps = int(row["steps"])
     logs = results.parent / "logs" / "chaos"
     records = [json.loads(line) for line in (logs / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(steps)), "the trainer did not finish every step"
     accumulation = load_config(logs / "run.toml").training.accumulation
-    assert cells["microbatches completed (trainer)"] == f"{steps * accumulation} of {steps * accumulation}", cells
-    assert cells["applied twice"] == "0", cells
-    assert int(cells["calls retried"]) > 0, cells  # the dead and the frozen peers' calls went elsewhere
-    assert int(cells["peers killed + replaced"]) > 0, cells
+    assert row["microbatches completed (trainer)"] == f"{steps * accumulation} of {steps * accumulation}", row
+    assert row["applied twice"] == "0", row
+    assert int(row["calls retried"]) > 0, row  # the dead and the frozen peers' calls went elsewhere
+    assert int(row["peers killed + replaced"]) > 0, row
     assert records[-1]["loss"] < records[0]["loss"], [r["loss"] for r in records]
 
 
@@ -219,8 +217,7 @@ def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
     _, found, section = results.read_text().partition(f"## {AVERAGING_SECTION}\n")
     header, _, *rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith("|")]
     assert found and len(rows) == 2, results.read_text()
-    names = [c.strip() for c in header.split("|")]
-    every, diloco = (dict(zip(names, [c.strip() for c in row.split("|")], strict=True)) for row in rows)
+    every, diloco = (cells(header, row) for row in rows)
     assert every["averaging compression"] == diloco["averaging compression"] == "int8", rows
     assert (every["averaging mode"], diloco["averaging mode"]) == ("gradients", "diloco3-pinned"), rows
     averaging = load_config(results.parent / "logs" / "none-int8-diloco3-pinned" / "run.toml").averaging
