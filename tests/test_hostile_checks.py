@@ -25,6 +25,7 @@ at step 12 (3.72 against 3.53), which the next steps win back.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -46,16 +47,13 @@ def reference(tmp_path_factory) -> Callable[[int], float]:
     """The final validation loss of the single-process reference trainer on tiny.toml after a number of
     steps, trained once for each number: the stage count and the checked fraction that the tests set
     do not enter a single process's training (2 and 3 stages gave the same loss to the last digit)."""
-    losses: dict[int, float] = {}
 
+    @functools.cache
     def loss(steps: int) -> float:
-        if steps not in losses:
-            log = tmp_path_factory.mktemp("reference") / "reference.jsonl"
-            args = ("train", "--local", "--config", str(TINY), "--steps", str(steps), "--log-json", str(log))
-            result = run_cli(*args)
-            assert result.returncode == 0, result.stderr[-3000:]
-            losses[steps] = json.loads(log.read_text().splitlines()[-1])["val_loss"]
-        return losses[steps]
+        log = tmp_path_factory.mktemp("reference") / "reference.jsonl"
+        result = run_cli("train", "--local", "--config", str(TINY), "--steps", str(steps), "--log-json", str(log))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(log.read_text().splitlines()[-1])["val_loss"]
 
     return loss
 
