@@ -28,12 +28,13 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from benchmarks.ledger import count
+from swarm.config import load_config
 from tests.conftest import run_cli
 from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
 
@@ -42,20 +43,16 @@ SYBIL_STEPS = 20
 LOSS_RTOL = 0.03  # the final loss within 3% of an honest run's
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Callable[[int], float]:
-    """The final validation loss of the single-process reference trainer on tiny.toml after a number of
-    steps, trained once for each number: the stage count and the checked fraction that the tests set
-    do not enter a single process's training (2 and 3 stages gave the same loss to the last digit)."""
-
-    @functools.cache
-    def loss(steps: int) -> float:
-        log = tmp_path_factory.mktemp("reference") / "reference.jsonl"
-        result = run_cli("train", "--local", "--config", str(TINY), "--steps", str(steps), "--log-json", str(log))
+@functools.cache
+def reference_loss(config_text: str, steps: int) -> float:
+    """The final validation loss of the single-process reference trainer (`swarm train --local`) on a
+    config after a number of steps, trained once for each for the whole test run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config, log = Path(tmp) / "run.toml", Path(tmp) / "reference.jsonl"
+        config.write_text(config_text)
+        result = run_cli("train", "--local", "--config", str(config), "--steps", str(steps), "--log-json", str(log))
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads(log.read_text().splitlines()[-1])["val_loss"]
-
-    return loss
 
 
 def checked_config(tmp: Path, fraction: float, stages: int = 2) -> Path:
@@ -71,16 +68,21 @@ def banned_peers(out: str) -> list[tuple[str, str]]:
     return re.findall(r"spot check: banned peer (\S+) of stage (\d+)", out)
 
 
-def assert_trained_like_the_reference(swarm: Swarm, reference: float, steps: int = STEPS) -> list[dict]:
+def assert_trained_like_the_reference(swarm: Swarm, reference: Path = TINY, steps: int = STEPS) -> list[dict]:
+    """Every step and microbatch done, and the final validation loss at most LOSS_RTOL above the
+    reference trainer's on `reference` (by default tiny.toml: the stage count and the checked fraction
+    that the tests here set do not enter a single process's training; 2 and 3 stages gave the same
+    loss to the last digit)."""
     records = swarm.finish_training()
-    assert len(records) == steps and records[-1]["microbatches"] == steps * ACCUMULATION, records[-1:]
-    val = records[-1]["val_loss"]
-    print(f"final validation loss {val:.4f}, reference {reference:.4f}")
-    assert val <= reference * (1 + LOSS_RTOL), (val, reference)
+    accumulation = load_config(reference).training.accumulation
+    assert len(records) == steps and records[-1]["microbatches"] == steps * accumulation, records[-1:]
+    val, ref = records[-1]["val_loss"], reference_loss(reference.read_text(), steps)
+    print(f"final validation loss {val:.4f}, reference {ref:.4f}")
+    assert val <= ref * (1 + LOSS_RTOL), (val, ref)
     return records
 
 
-def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_path, reference):
+def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_path):
     config = checked_config(tmp_path, 0.5)
     swarm = Swarm(tmp_path, config)
     try:
@@ -93,7 +95,7 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_p
         state = swarm.wait_online(["honest0a", "honest0b", "liar", "honest1"])
         liar = peer_record(state, "liar")["peer_id"]
         swarm.train(STEPS, 4, 20)
-        assert_trained_like_the_reference(swarm, reference(STEPS))
+        assert_trained_like_the_reference(swarm)
         out = swarm.trainer.output()
         assert banned_peers(out) == [(liar, "0")], out[-3000:]  # the liar, and nobody else
         liar_log = (tmp_path / "liar.log").read_text()
@@ -103,9 +105,7 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_p
 
 
 @pytest.mark.parametrize("where", ["last stage", "inner backward"])
-def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_gradients_taken_back(
-    tmp_path, where, reference
-):
+def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_gradients_taken_back(tmp_path, where):
     stages = 2 if where == "last stage" else 3
     config = checked_config(tmp_path, 0.5, stages)
     swarm = Swarm(tmp_path, config)
@@ -122,7 +122,7 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
         state = swarm.wait_online(names)
         liar = peer_record(state, "liar")["peer_id"]
         swarm.train(STEPS, 4, 20)
-        records = assert_trained_like_the_reference(swarm, reference(STEPS))
+        records = assert_trained_like_the_reference(swarm)
         out = swarm.trainer.output()
         assert banned_peers(out) == [(liar, "1")], out[-3000:]  # the liar, and nobody else
         last = records[-1]
@@ -138,7 +138,7 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
 
 
 @pytest.mark.parametrize("honest", [1, 2])
-def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(tmp_path, honest, reference):
+def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(tmp_path, honest):
     """Beside one honest machine the two Sybils are one voter against one: nobody can tell who is
     right, the disagreements are counted and nobody is banned (the Sybils used to outvote the honest
     peer and have it banned). Beside two honest machines they are outvoted and banned."""
@@ -156,7 +156,7 @@ def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(tmp_path, ho
         steps = SYBIL_STEPS if honest == 2 else STEPS
         swarm.train(steps, 4, 20)
         if honest == 2:
-            records = assert_trained_like_the_reference(swarm, reference(steps), steps)
+            records = assert_trained_like_the_reference(swarm, TINY, steps)
         else:  # half the stage's answers are lies nobody can single out: no bound on the loss
             records = swarm.finish_training()
             assert len(records) == steps and records[-1]["microbatches"] == steps * ACCUMULATION

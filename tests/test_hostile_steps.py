@@ -21,7 +21,7 @@ import time
 
 from tests.processes import child, wait_for_state
 from tests.test_hostile_checks import STEPS, assert_trained_like_the_reference
-from tests.test_swarm import TINY, Swarm
+from tests.test_swarm import Swarm
 
 FAR = 2**31 - 2
 HUGE = 10**9
@@ -54,7 +54,7 @@ def test_a_trainer_naming_a_far_step_is_refused_and_moves_no_stage(tmp_path):
             ["train", "--coordinator", swarm.url, "--steps", "2", "--start-step", str(FAR), "--call-timeout", "5"],
             tmp_path / "hostile.log",
         )
-        records = assert_trained_like_the_reference(swarm, TINY, tmp_path)
+        records = assert_trained_like_the_reference(swarm)
         assert [r["step"] for r in records] == list(range(STEPS))
         out = hostile.output()
         assert hostile.popen.poll() is None, out[-3000:]  # still trying: every call refused
@@ -81,7 +81,7 @@ def test_members_claiming_a_huge_step_in_every_stage_do_not_move_the_trainer(tmp
         assert claimed["x"] == claimed["y"] == HUGE  # the lie is on the record
         started = time.monotonic()
         swarm.train(STEPS, 4, 20)
-        records = assert_trained_like_the_reference(swarm, TINY, tmp_path)
+        records = assert_trained_like_the_reference(swarm)
         assert [r["step"] for r in records] == list(range(STEPS)), records[:2]
         assert "from step" not in swarm.trainer.output()  # it started at the swarm's step, 0
         steps = honest_steps(swarm, names)
