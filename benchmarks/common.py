@@ -13,12 +13,10 @@ import time
 from pathlib import Path
 from typing import get_args
 
-import httpx
-
-from swarm.children import JsonTail, Proc, start_coordinator, stop_all, survivors
+from swarm.children import JsonTail, Proc, http, start_coordinator, stop_all, survivors
 from swarm.config import GradCompression
 
-__all__ = ["JsonTail", "Proc", "start_coordinator", "stop_all", "survivors"]  # with the helpers below
+__all__ = ["JsonTail", "Proc", "http", "start_coordinator", "stop_all", "survivors"]  # with the helpers below
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,12 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def online_names(base: str) -> set[str]:
-    state = httpx.get(f"{base}/api/v1/state", timeout=5).json()
+    state = http().get(f"{base}/api/v1/state").json()
     return {p["public_name"] for s in state["stages"] for p in s["peers"] if p["state"] == "online"}
 
 
 def listed_names(base: str) -> set[str]:
-    state = httpx.get(f"{base}/api/v1/state", timeout=5).json()
+    state = http().get(f"{base}/api/v1/state").json()
     return {p["public_name"] for s in state["stages"] for p in s["peers"]}
 
 

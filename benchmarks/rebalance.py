@@ -22,9 +22,7 @@ import itertools
 import time
 from pathlib import Path
 
-import httpx
-
-from benchmarks.common import Proc, log_dir, start_coordinator, start_peer, stop_all, wait_online
+from benchmarks.common import Proc, http, log_dir, start_coordinator, start_peer, stop_all, wait_online
 from benchmarks.results import append_row
 
 SECTION = "rebalance: peers started on the wrong stages, until the swarm is balanced"
@@ -42,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_state(url: str) -> dict:
-    return httpx.get(f"{url}/api/v1/state", timeout=5).json()
+    return http().get(f"{url}/api/v1/state").json()
 
 
 def stage_totals(state: dict) -> list[float]:

@@ -8,17 +8,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm import children
-from swarm.children import Proc, group_members, survivors
+from swarm.children import Proc, group_members, http, survivors
 from swarm.client import StageClient
 from swarm.join import join_dht, join_run
 from swarm.net import free_port
 from swarm.ready import PeerReady, wait_ready
 
-__all__ = ["Proc", "free_port", "group_members", "survivors"]  # with the helpers below
+__all__ = ["Proc", "free_port", "group_members", "http", "survivors"]  # with the helpers below
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +71,7 @@ def wait_for_state(
     deadline = time.monotonic() + timeout
     while True:
         where = f"{base}/api/v1/state"
-        state = get(where) if get is not None else httpx.get(where, timeout=5, verify=verify).json()
+        state = get(where) if get is not None else http(verify).get(where).json()
         if ok(state):
             return state
         if time.monotonic() > deadline:

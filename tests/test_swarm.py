@@ -11,10 +11,9 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.processes import ROOT, Proc, child, start_coordinator, survivors, wait_for_output, wait_for_state
+from tests.processes import ROOT, Proc, child, http, start_coordinator, survivors, wait_for_output, wait_for_state
 
 TINY = ROOT / "configs" / "tiny.toml"
 ACCUMULATION = 2  # tiny.toml: global_batch 16 / micro_batch 8
@@ -135,7 +134,7 @@ def peer_record(state: dict, name: str) -> dict | None:
 
 
 def state(url: str) -> dict:
-    return httpx.get(f"{url}/api/v1/state", timeout=5).json()
+    return http().get(f"{url}/api/v1/state").json()
 
 
 @pytest.fixture
