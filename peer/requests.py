@@ -162,7 +162,7 @@ class CachedForward:
 
     inputs: torch.Tensor
     output: torch.Tensor
-    version: int  # optimizer steps taken when it was recorded
+    version: int  # the worker's weights version when it was recorded (StageWorker.weights_version)
 
 
 @dataclass

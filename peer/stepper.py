@@ -347,6 +347,7 @@ class Stepper:
             params = [p for p in self.module.parameters() if p.grad is not None]
             kept = [p.grad.clone() for p in params] if self.samples_pending else []
             source = self.updater.load_state()
+            self.invalidate()  # the weights were replaced in place: recorded graphs no longer match them
             if kept and self.optimizer_steps == before:
                 with torch.no_grad():
                     for p, g in zip(params, kept, strict=True):

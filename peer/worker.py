@@ -125,6 +125,9 @@ class StageWorker:
         self.busy_s = 0.0  # time the compute thread spent serving batches
         self.lock = threading.Lock()  # held while parameters or gradients change
         self.cache = ForwardCache(run.serve.cache_size if cache_size is None else cache_size)
+        # Goes up whenever the weights change (a step, a skip, or the stage's state or a checkpoint
+        # loaded in place): a recorded forward is used only at the version it was recorded at.
+        self.weights_version = 0
         # The requests of the gradients kept lately, by microbatch id, for `retract` (the newest last).
         self.retractable: collections.OrderedDict[str, ForwardWork | BackwardWork] = collections.OrderedDict()
         self.retractable_size = max(16, 4 * run.training.accumulation)
@@ -135,7 +138,7 @@ class StageWorker:
             self.updater,
             self.lock,
             stopped=lambda: self.queue.closed,
-            invalidate=self.cache.clear,
+            invalidate=self._weights_changed,
             step_log=faults.log_steps,
             checkpoints=checkpoints,
         )
@@ -218,7 +221,11 @@ class StageWorker:
 
     def claim_cached(self, microbatch_id: str) -> CachedForward | None:
         """Take this microbatch's recorded forward, if it is still here and still current."""
-        return self.cache.claim(microbatch_id, self.optimizer_steps)
+        return self.cache.claim(microbatch_id, self.weights_version)
+
+    def _weights_changed(self) -> None:
+        self.weights_version += 1
+        self.cache.clear()
 
     @property
     def throughput(self) -> float:
@@ -441,7 +448,7 @@ class StageWorker:
                 x.requires_grad_(True)
             out = self.faults.corrupt(self.stage(x), self._lies(batch))
         if cache:
-            self.cache.put(first.microbatch_id, CachedForward(x, out, self.optimizer_steps))
+            self.cache.put(first.microbatch_id, CachedForward(x, out, self.weights_version))
         return [ForwardResult(output=o) for o in self._split(out, batch)]
 
     def _forward_loss(self, batch: list[Task]) -> list[ForwardResult]:
@@ -476,7 +483,7 @@ class StageWorker:
         recompute = []
         for i, task in enumerate(batch):
             cached = task.work.cached
-            if cached is None or cached.version != self.optimizer_steps:
+            if cached is None or cached.version != self.weights_version:
                 # A forward recorded before the stage's last step (another trainer's samples, or the
                 # trainer's own next step with delayed updates, completed a global batch in between) is
                 # recomputed on the weights the stage has now, as one served by another peer is.
@@ -507,7 +514,7 @@ class StageWorker:
         results = []
         for task in batch:
             cached = task.work.cached
-            if cached is not None and cached.version == self.optimizer_steps:
+            if cached is not None and cached.version == self.weights_version:
                 x, out = cached.inputs, cached.output
             else:
                 x = self._inputs([task.uncached()]).requires_grad_(True)

@@ -203,6 +203,44 @@ def test_a_recorded_forward_whose_partner_left_is_run_again_from_its_input():
         reference.close()
 
 
+def test_a_recorded_forward_from_before_the_stages_state_was_loaded_is_run_again_on_the_loaded_weights():
+    """Between a training forward and its backward, the replica found its weights differ from its
+    stage's and loaded the stage's state in place (`resync`), at the same step count. The recorded
+    graph holds the replaced weights: the backward is recomputed from the recorded input on the loaded
+    weights. It used to run the old graph, and the peer answered with a server fault (a weight had
+    been modified in place) and a traceback in its log."""
+    run = load_config(CONFIGS / "tiny.toml")
+    worker = StageWorker(run, 0, torch.device("cpu"))
+    stage_state = StageWorker(run, 0, torch.device("cpu"))  # what the stage's other replicas hold
+    try:
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for p in stage_state.stage.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+
+        def load_state() -> str:  # as hivemind's download does: copied into the parameters in place
+            with torch.no_grad():
+                for p, q in zip(worker.stage.parameters(), stage_state.stage.parameters(), strict=True):
+                    p.copy_(q)
+            return "the stage's replicas"
+
+        worker.updater.load_state = load_state
+        tokens, grad = torch.randint(0, run.model.vocab_size, (2, 16)), torch.randn(2, 16, run.model.d_model)
+        worker.submit(ForwardWork(tokens, None, True, 0.0, "a", 0)).result(timeout=30)
+        cached = worker.claim_cached("a")  # the backward's request arrived ...
+        assert cached is not None
+        worker.stepper.resync()  # ... and the state was loaded before it ran
+        assert worker.optimizer_steps == 0
+        assert worker.submit(BackwardWork(None, grad, "a", 0, (2, 16), cached=cached)).result(timeout=30) is None
+        stage_state.stage(tokens).backward(grad)
+        got, want = grads_of(worker.stage), grads_of(stage_state.stage)
+        for name in want:
+            assert torch.allclose(got[name], want[name], atol=1e-5), name
+    finally:
+        worker.close()
+        stage_state.close()
+
+
 def test_a_lost_step_is_waited_for_once_then_the_stage_keeps_the_trainers_step_count():
     """The peers that served step 0 died with its gradients: the first request of step 1 waits
     `sync_timeout_s` for the stage's count, then the stage skips step 0. Steps 1, 2 and 3 then find
