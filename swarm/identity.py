@@ -177,24 +177,36 @@ def sign_token(ca_key: ec.EllipticCurvePrivateKey, run_id: str, public_key: rsa.
 
 def token_problem(token: AccessToken, root: x509.Certificate, run_id: str, revoked: frozenset[str]) -> str | None:
     """Why `token` does not admit its holder to the run's DHT, or None when it does: signed by the
-    run's CA, not expired, for the key it names, not revoked."""
+    run's CA, for the key it names, not expired, not revoked."""
+    problem = _lasting_problem(token.SerializeToString(), root, run_id)
+    if problem is not None:
+        return problem
+    if float(token.expiration_time) < time.time():
+        return "expired"
+    if token.username in revoked:
+        return "revoked"
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _lasting_problem(token: bytes, root: x509.Certificate, run_id: str) -> str | None:
+    """What is wrong with a serialized token whatever the time and the revocations. Cached: a DHT node
+    checks the same few tokens at every request and response it gets, and the CA's signature and the
+    key's parse took a tenth of its CPU; a forged token costs its check once more when it falls out."""
+    parsed = AccessToken.FromString(token)
     ca_key = root.public_key()
     assert isinstance(ca_key, ec.EllipticCurvePublicKey)
     try:
-        ca_key.verify(token.signature, token_payload(run_id, token), ec.ECDSA(hashes.SHA256()))
+        ca_key.verify(parsed.signature, token_payload(run_id, parsed), ec.ECDSA(hashes.SHA256()))
     except InvalidSignature:
         return "not signed by the run's CA"
     try:
-        expires = float(token.expiration_time)
-        key = serialization.load_ssh_public_key(token.public_key)
+        float(parsed.expiration_time)
+        key = serialization.load_ssh_public_key(parsed.public_key)
     except ValueError:
         return "malformed"
-    if expires < time.time():
-        return "expired"
-    if not isinstance(key, rsa.RSAPublicKey) or peer_id_of(key) != token.username:
+    if not isinstance(key, rsa.RSAPublicKey) or peer_id_of(key) != parsed.username:
         return "names a peer id that is not its key's"
-    if token.username in revoked:
-        return "revoked"
     return None
 
 
