@@ -49,7 +49,7 @@ Role = Literal["peer", "trainer", "coordinator"]
 ROLES: tuple[str, ...] = get_args(Role)
 URI_SCHEME = "swarm"  # a member's certificate names it as swarm://RUN_ID/ROLE/PEER_ID
 TOKEN_DOMAIN = b"swarm dht access token\0"  # what a CA signature over a DHT token is for, and nothing else
-REVOCATION_POLL_S = 2.0  # how often a member reads the revoked peer ids (a revoked caller is refused within)
+REVOCATION_POLL_S = 4.0  # how often a member reads the revoked peer ids (a revoked caller is refused within)
 RENEW_AT = 0.5  # a certificate is renewed once this share of its lifetime has passed
 
 

@@ -148,7 +148,7 @@ def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(tmp_path):
         for name in names:
             swarm.add_peer(name, int(name[1]), rebalance=True)
         swarm.wait_online(names)
-        steps = 30
+        steps = 20
         swarm.train(steps=steps, inflight=4, timeout=60)
         swarm.wait_steps(6)
         victim = swarm.peers["b1"]

@@ -203,7 +203,7 @@ def test_sigterm_leaves_cleanly_and_the_trainer_loses_nothing(swarm):
     for name, stage in [("a0", 0), ("a1", 1), ("b1", 1)]:
         swarm.add_peer(name, stage)
     swarm.wait_online(["a0", "a1", "b1"])
-    steps = 24
+    steps = 14
     swarm.train(steps=steps, inflight=4)
     swarm.wait_steps(4)
     leaver = swarm.peers["b1"]

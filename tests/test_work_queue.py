@@ -123,6 +123,13 @@ def grads_of(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
 
 
+def assert_same_grads(stage: torch.nn.Module, reference: torch.nn.Module, atol: float) -> None:
+    got, want = grads_of(stage), grads_of(reference)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], atol=atol), name
+
+
 def test_a_gradient_whose_caller_left_during_the_compute_is_not_kept():
     """The last stage's training forward of two callers, batched; one leaves while it runs. Only the
     other's gradient is kept (as if it had come alone) and only its samples count as served."""
@@ -157,10 +164,7 @@ def test_a_gradient_whose_caller_left_during_the_compute_is_not_kept():
         reference.close()
         assert abs(result.loss - loss.item()) < 1e-5
         assert torch.allclose(result.input_grad, xa.grad, atol=1e-6)
-        got, want = grads_of(worker.stage), grads_of(reference.stage)
-        assert got.keys() == want.keys()
-        for name in want:
-            assert torch.allclose(got[name], want[name], atol=1e-6), name
+        assert_same_grads(worker.stage, reference.stage, atol=1e-6)
     finally:
         worker.close()
 
@@ -195,9 +199,7 @@ def test_a_recorded_forward_whose_partner_left_is_run_again_from_its_input():
 
         for k in "pa":
             reference.stage(tokens[k]).backward(grad[k])
-        got, want = grads_of(worker.stage), grads_of(reference.stage)
-        for name in want:
-            assert torch.allclose(got[name], want[name], atol=1e-5), name
+        assert_same_grads(worker.stage, reference.stage, atol=1e-5)
     finally:
         worker.close()
         reference.close()
@@ -233,9 +235,7 @@ def test_a_recorded_forward_from_before_the_stages_state_was_loaded_is_run_again
         assert worker.optimizer_steps == 0
         assert worker.submit(BackwardWork(None, grad, "a", 0, (2, 16), cached=cached)).result(timeout=30) is None
         stage_state.stage(tokens).backward(grad)
-        got, want = grads_of(worker.stage), grads_of(stage_state.stage)
-        for name in want:
-            assert torch.allclose(got[name], want[name], atol=1e-5), name
+        assert_same_grads(worker.stage, stage_state.stage, atol=1e-5)
     finally:
         worker.close()
         stage_state.close()
