@@ -401,7 +401,10 @@ class StageWorker:
                 results += r
             return kept, results
         log.warning(f"stage {self.stage_index}: dropped a non-finite gradient of {batch[0].samples} samples")
-        err = RequestError(grpc.StatusCode.INTERNAL, "the gradient came out NaN or Inf on this peer; it was not kept")
+        # ABORTED, not INTERNAL (a fault of this server): the input may be what overflowed (a finite
+        # 1e37 does) as well as this peer's weights, and either way the caller may ask another peer.
+        why = "the gradient came out NaN or Inf (this input on this peer's weights); it was not kept"
+        err = RequestError(grpc.StatusCode.ABORTED, why)
         resolve(batch[0].future, error=err)
         return [], []
 

@@ -315,6 +315,9 @@ CASES = [
     Case("retract empty", "s0 Retract", lambda: b"", "run_id: missing"),
     Case("retract id too long", "s0 Retract",
          lambda: pb.RetractRequest(run_id=RUN.run_id, stage=0, microbatch_id="x" * 129), "longer than 128"),
+    # finite, but the gradient it makes overflows: not kept, and no server fault (the fuzzer found it)
+    Case("output_grad of 1e37", "s0 Backward", lambda: bwd(X(), tensor(torch.full((2, 8, D), 1e37))),
+         "the gradient came out NaN or Inf", grpc.StatusCode.ABORTED),
     # backward without a gradient
     Case("missing output_grad stage 0", "s0 Backward", lambda: bwd(X(), None), "output_grad: missing"),
     Case("missing output_grad stage 1", "s1 Backward", lambda: bwd(H(), None, 1), "output_grad: missing"),
