@@ -261,6 +261,17 @@ class CappedAverages:
     async def _set_caps(self, caps: dict[str, float] | None) -> None:
         self.caps = caps
 
+    def expect(self, size: int | None) -> None:
+        """The next rounds' groups are complete at `size` averagers (None: only at the end of the
+        matchmaking time). hivemind's leader starts the all-reduce as soon as its group reaches the
+        target size, but the size is fixed when the averager is made; a stage knows its live replicas
+        only at each step, and without a target every round waited out the whole matchmaking time."""
+        self._outer_pipe.send(("_set_target_group_size", [size], {}))
+
+    async def _set_target_group_size(self, size: int | None) -> None:
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(
@@ -432,6 +443,7 @@ class NormExchange:
     `timeout` seconds; then it falls back to its own norm."""
 
     SKIPPED_SHARES = 8  # a stage that skips steps publishes a share of 0 for at most this many of them
+    MEMBERS_MAX_AGE_S = 2.0  # a stage's members are read again once the last read is this old
 
     def __init__(
         self,
@@ -448,12 +460,24 @@ class NormExchange:
         self.me = dht.peer_id.to_base58()
         self.step = 0  # the global step being taken, set by the updater before each step
         self.waited = 0.0
+        self.members_read: dict[int, tuple[float, set[str]]] = {}  # stage -> (when read, its peer ids)
 
     def publish(self, step: int, squared: float) -> None:
-        """This stage's share of global step `step` (0.0 for a step it skipped)."""
+        """This stage's share of global step `step` (0.0 for a step it skipped). Handed to the DHT
+        without waiting for it to confirm: a confirmed store took about 1 s per step on a loaded
+        2-core machine, and the others poll for the share anyway."""
         if self.stages > 1:
             share = NormShare(peer_id=self.me, stage=self.stage, step=step, squared=squared)
-            publish_norm_share(self.dht, self.run_id, share)
+            publish_norm_share(self.dht, self.run_id, share, timeout=0)
+
+    def members(self, stage: int) -> set[str]:
+        """The peer ids of `stage`, read again once the last read is MEMBERS_MAX_AGE_S old: a step's
+        polls would otherwise read every stage's records on every look at the shares."""
+        read_at, members = self.members_read.get(stage, (-math.inf, set()))
+        if time.monotonic() - read_at > self.MEMBERS_MAX_AGE_S:
+            members = stage_members(self.dht, self.run_id, stage)
+            self.members_read[stage] = (time.monotonic(), members)
+        return members
 
     def __call__(self, squared: float) -> float:
         if self.stages == 1:
@@ -462,7 +486,10 @@ class NormExchange:
         t0 = time.monotonic()
         deadline = t0 + self.timeout
         while True:
-            shares = read_norm_shares(self.dht, self.run_id, self.step, self.stages)
+            shares = read_norm_shares(self.dht, self.run_id, self.step, self.stages, self.members)
+            # This stage's own share is the one just computed: the replicas of a stage average the same
+            # gradient, so the stage's median is this number (and a lying member cannot move it here).
+            shares[self.stage] = squared
             self.waited = time.monotonic() - t0  # logged with the step
             if len(shares) == self.stages:
                 return math.sqrt(sum(shares.values()))
@@ -711,7 +738,7 @@ class SwarmUpdater:
             # Fetch the stage's progress often (the step waits for it) and let a dead peer's report
             # expire as fast as its swarm record does.
             tracker_opts={
-                "min_refresh_period": 0.1,
+                "min_refresh_period": 0.25,
                 "max_refresh_period": 0.5,
                 "default_refresh_period": 0.5,
                 "metadata_expiration": TTL_S,
@@ -875,6 +902,7 @@ class SwarmUpdater:
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.num_peers = 1
         self.opt.grad_averager.cap(self._caps())
+        self.opt.grad_averager.expect(len(partners) + 1)
         before, control = self.epoch, self.opt.scheduled_grads
         reduced = self.opt.grad_averager.reduced_bytes.value
         self.norms.step = before

@@ -499,12 +499,16 @@ def stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> set[str]:
     return {p.peer_id for p in read_stage(dht, run_id, stage)}
 
 
-def read_norm_shares(dht: hivemind.DHT, run_id: str, step: int, stages: int) -> dict[int, float]:
+def read_norm_shares(
+    dht: hivemind.DHT, run_id: str, step: int, stages: int, members: Callable[[int], set[str]] | None = None
+) -> dict[int, float]:
     """Each stage's squared gradient norm at global `step` (see `stage_norms`), for the stages of
-    `range(stages)` whose members have published a share."""
+    `range(stages)` whose members have published a share. `members(stage)`: the peer ids of a stage
+    (default: read from its records now)."""
     shares = _read(dht, norm_key(run_id, step), NormShare, lambda r: r.peer_id, self_signed=True)
     wanted = {r.stage for r in shares if r.step == step and r.stage < stages}
-    return stage_norms(shares, step, {k: stage_members(dht, run_id, k) for k in wanted})
+    members = members or (lambda k: stage_members(dht, run_id, k))
+    return stage_norms(shares, step, {k: members(k) for k in wanted})
 
 
 def stage_norms(shares: list[NormShare], step: int, members: dict[int, set[str]]) -> dict[int, float]:
