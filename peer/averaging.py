@@ -69,6 +69,7 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from peer.allreduce import COMPRESSIONS, ExactAllReduceRunner
 from peer.checkpoint import Checkpoint
+from swarm import norms
 from swarm.config import RunConfig
 from swarm.optim import make_optimizer, make_outer_optimizer, param_groups, primed
 from swarm.receipts import capped_weight, credible_samples, most_declared, sample_caps
@@ -86,6 +87,7 @@ from swarm.records import (
     read_replica_digests,
     read_trainers,
     stage_members,
+    stage_norms,
     state_holders_key,
 )
 from swarm.schedule import lr_at
@@ -434,16 +436,18 @@ class ReplicaCheck:
 
 
 class NormExchange:
-    """The gradient norm over the whole model, from every stage's share, through the DHT.
+    """The gradient norm over the whole model, from every stage's share.
 
     The reference trainer clips the norm of all parameters together; a stage sees only its own. At
-    each step every replica of stage k publishes its averaged gradient's squared norm (the replicas
-    of a stage publish the same number; `swarm.records.read_norm_shares` takes the median of a
-    stage's members' shares, and nobody else's) and waits for the other stages' shares, at most
-    `timeout` seconds; then it falls back to its own norm."""
+    each step every replica of stage k publishes its averaged gradient's squared norm, pushed to the
+    other stages' members and stored in the DHT (the replicas of a stage publish the same number;
+    `swarm.records.stage_norms` takes the median of a stage's members' shares, and nobody else's),
+    and waits for the other stages' shares, at most `timeout` seconds; then it falls back to its own
+    norm."""
 
     SKIPPED_SHARES = 8  # a stage that skips steps publishes a share of 0 for at most this many of them
     MEMBERS_MAX_AGE_S = 2.0  # a stage's members are read again once the last read is this old
+    DHT_READ_AFTER_S = 0.5  # the pushed shares come first; the DHT's records are read after this, and as often
 
     def __init__(
         self,
@@ -461,14 +465,19 @@ class NormExchange:
         self.step = 0  # the global step being taken, set by the updater before each step
         self.waited = 0.0
         self.members_read: dict[int, tuple[float, set[str]]] = {}  # stage -> (when read, its peer ids)
+        if stages > 1:
+            norms.serve(dht)
 
     def publish(self, step: int, squared: float) -> None:
-        """This stage's share of global step `step` (0.0 for a step it skipped). Handed to the DHT
-        without waiting for it to confirm: a confirmed store took about 1 s per step on a loaded
-        2-core machine, and the others poll for the share anyway."""
+        """This stage's share of global step `step` (0.0 for a step it skipped): pushed straight to the
+        other stages' members (swarm/norms.py), and stored in the DHT for any the push does not reach,
+        without waiting for the DHT to confirm (a confirmed store took about 1 s on a loaded 2-core
+        machine)."""
         if self.stages > 1:
             share = NormShare(peer_id=self.me, stage=self.stage, step=step, squared=squared)
             publish_norm_share(self.dht, self.run_id, share, timeout=0)
+            others = [m for k in range(self.stages) if k != self.stage for m in self.members(k)]
+            norms.push(self.dht, self.run_id, share, others)
 
     def members(self, stage: int) -> set[str]:
         """The peer ids of `stage`, read again once the last read is MEMBERS_MAX_AGE_S old: a step's
@@ -485,8 +494,14 @@ class NormExchange:
         self.publish(self.step, squared)
         t0 = time.monotonic()
         deadline = t0 + self.timeout
+        stored, stored_at = [], t0  # the DHT's records are read first after DHT_READ_AFTER_S
         while True:
-            shares = read_norm_shares(self.dht, self.run_id, self.step, self.stages, self.members)
+            if time.monotonic() - stored_at > self.DHT_READ_AFTER_S:
+                stored, stored_at = read_norm_shares(self.dht, self.run_id, self.step), time.monotonic()
+            # One share per sender: a pushed one and its DHT record say the same.
+            found = {s.peer_id: s for s in [*stored, *norms.received(self.dht, self.run_id, self.step)]}
+            wanted = {s.stage for s in found.values() if s.stage < self.stages} - {self.stage}
+            shares = stage_norms(list(found.values()), self.step, {k: self.members(k) for k in wanted})
             # This stage's own share is the one just computed: the replicas of a stage average the same
             # gradient, so the stage's median is this number (and a lying member cannot move it here).
             shares[self.stage] = squared

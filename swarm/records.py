@@ -499,16 +499,11 @@ def stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> set[str]:
     return {p.peer_id for p in read_stage(dht, run_id, stage)}
 
 
-def read_norm_shares(
-    dht: hivemind.DHT, run_id: str, step: int, stages: int, members: Callable[[int], set[str]] | None = None
-) -> dict[int, float]:
-    """Each stage's squared gradient norm at global `step` (see `stage_norms`), for the stages of
-    `range(stages)` whose members have published a share. `members(stage)`: the peer ids of a stage
-    (default: read from its records now)."""
+def read_norm_shares(dht: hivemind.DHT, run_id: str, step: int) -> list[NormShare]:
+    """The norm shares published for global `step`, each signed by the peer it names (which stage's
+    share counts is `stage_norms`'s to say)."""
     shares = _read(dht, norm_key(run_id, step), NormShare, lambda r: r.peer_id, self_signed=True)
-    wanted = {r.stage for r in shares if r.step == step and r.stage < stages}
-    members = members or (lambda k: stage_members(dht, run_id, k))
-    return stage_norms(shares, step, {k: members(k) for k in wanted})
+    return [r for r in shares if r.step == step]
 
 
 def stage_norms(shares: list[NormShare], step: int, members: dict[int, set[str]]) -> dict[int, float]:

@@ -5,6 +5,7 @@ rebalances close to the best assignment."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from peer.averaging import (
 from peer.options import Faults
 from peer.requests import ForwardWork
 from peer.worker import StageWorker
+from swarm import norms
 from swarm.config import RunConfig, load_config
 from swarm.data import TrainStream
 from swarm.model import Stage, build_stages, lm_loss
@@ -54,6 +56,7 @@ from swarm.records import (
     stage_norms,
     visible_maddrs,
 )
+from swarm.rpc import swarm_pb2 as pb
 from swarm.wire import decode, encode
 from tests.processes import ROOT, member_client, wait_for_state
 from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
@@ -362,7 +365,7 @@ def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority
     attackers = [stage_one.node() for _ in range(3)]
 
     expires = get_dht_time() + TTL_S
-    digests, norms = digest_key(run.run_id, 1), norm_key(run.run_id, 0)
+    digests, shares_key = digest_key(run.run_id, 1), norm_key(run.run_id, 0)
     huge, victim = 1e30, stage0.peer_id.to_base58()
     forged_shares = [(0, huge), (0, -9.0), (1, huge)]  # (stage, squared) of each attacker's own share
     for attacker, (stage, squared) in zip(attackers, forged_shares, strict=True):
@@ -370,18 +373,28 @@ def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority
         lie = WeightsDigest(peer_id=me, stage=1, step=0, digest="f" * 32)
         assert publish_digest(attacker, run.run_id, lie, timeout=30)
         share = {"peer_id": me, "stage": stage, "step": 0, "squared": squared}  # as a modified client writes it
-        assert attacker.store(norms, share, expires, subkey=owned_subkey(attacker, me))
+        assert attacker.store(shares_key, share, expires, subkey=owned_subkey(attacker, me))
     forger = attackers[0]
     in_victims_name = {"peer_id": victim, "stage": 0, "step": 0, "squared": huge}
-    assert forger.store(norms, in_victims_name, expires, subkey=owned_subkey(forger, victim))
+    assert forger.store(shares_key, in_victims_name, expires, subkey=owned_subkey(forger, victim))
     # Unsigned: subkeys without an owner, in the old key schema's form (the stage as the subkey;
     # hivemind compares the subkeys of equal expiration times, and an int beside strings raises)
     # and in the records' form.
-    assert forger.store(norms, huge, expires + 1, subkey=0)
-    assert forger.store(norms, dict(in_victims_name, peer_id="0"), expires, subkey="0")
+    assert forger.store(shares_key, huge, expires + 1, subkey=0)
+    assert forger.store(shares_key, dict(in_victims_name, peer_id="0"), expires, subkey="0")
     for fake in ("0", "1", "2"):
         unsigned = {"peer_id": fake, "stage": 1, "step": 0, "digest": "f" * 32}
         assert forger.store(digests, unsigned, expires, subkey=fake)
+
+    # Pushed straight to replica a's node as well (swarm/norms.py), raw, as a modified client sends
+    # them: each attacker's own id is the sender whatever the message says, so none can speak for
+    # stage 0's member, and a non-member's share, however well-formed, counts for no stage.
+    a_id = a.opt.dht.peer_id.to_base58()
+    for attacker, (stage, squared) in zip(attackers, [*forged_shares, (0, float("nan"))][:3], strict=True):
+        raw = pb.NormSharePush(run_id=run.run_id, stage=stage, step=0, squared=squared).SerializeToString()
+        attacker.run_coroutine(functools.partial(norms._push, targets=[a_id], message=raw))
+    pushed = {s.peer_id for s in norms.received(a.opt.dht, run.run_id, 0)}
+    assert pushed == {attackers[0].peer_id.to_base58(), attackers[2].peer_id.to_base58()}  # -9 is refused
 
     assert loads_within_a_step(a) == 0
     assert not any("differ from the other replicas" in n for n in caplog.messages), caplog.messages
@@ -390,6 +403,34 @@ def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority
     a.norms.step = 0
     assert a.norms(16.0) == pytest.approx(5.0)  # sqrt(9 + 16): stage 0's share and its own
     assert not any("no gradient norm" in n for n in caplog.messages), caplog.messages
+
+
+def test_a_norm_share_is_pushed_to_the_other_stages_members_without_the_dht(stage_one):
+    """Stage 0's member publishes its share of step 3; the member of stage 1 has it pushed straight to
+    its DHT process, with the sender's own peer id, and takes the global norm from it without reading
+    the DHT's records at all."""
+    run = stage_one.run
+    one, zero = stage_one.node(stage=1), stage_one.node(stage=0)
+    receiver = NormExchange(one, run.run_id, run.stages.count, 1, timeout=30)
+    receiver.DHT_READ_AFTER_S = float("inf")  # the pushed shares alone
+    NormExchange(zero, run.run_id, run.stages.count, 0, timeout=30).publish(3, 9.0)
+    receiver.step = 3
+    assert receiver(16.0) == pytest.approx(5.0)
+    [share] = norms.received(one, run.run_id, 3)
+    assert (share.peer_id, share.stage, share.squared) == (zero.peer_id.to_base58(), 0, 9.0)
+    assert norms.received(one, run.run_id, 2) == [] and norms.received(one, "another-run", 3) == []
+
+
+def test_what_senders_can_make_a_node_keep_of_pushed_shares_is_bounded(monkeypatch):
+    """A sender flooding shares leaves only its last KEEP; past MAX_SENDERS senders, the one heard from
+    longest ago is forgotten."""
+    monkeypatch.setattr(norms, "_received", type(norms._received)())
+    for step in range(norms.KEEP + 50):
+        norms.keep("flooder", pb.NormSharePush(run_id="r", stage=0, step=step, squared=1.0))
+    assert [share[2] for share in norms._received["flooder"]] == list(range(50, norms.KEEP + 50))
+    for n in range(norms.MAX_SENDERS):
+        norms.keep(f"sybil{n}", pb.NormSharePush(run_id="r", stage=0, step=0, squared=1.0))
+    assert len(norms._received) == norms.MAX_SENDERS and "flooder" not in norms._received
 
 
 # A replica that is alive (it answers pings, it reports samples toward the step) and never joins a
