@@ -599,3 +599,22 @@ def test_unequal_peers_rebalance_to_within_ten_percent_of_the_best_assignment(tm
         assert min(stage_totals(state(swarm.url))) >= 0.9 * optimum, (stage_totals(s), optimum, speeds)
     finally:
         swarm.close()
+
+
+def test_a_round_closes_once_every_live_replica_joined_not_at_the_end_of_matchmaking(tmp_path):
+    """Two real replicas of stage 1 with a matchmaking time of 10 s take a step together: the group is
+    complete once both have joined, and the round ends long before the 10 s. Without a target group
+    size, hivemind's leader waits out its whole matchmaking time at every step."""
+    from tests.test_diloco import take_step, two_replicas  # it imports this module
+
+    extra = "\n[averaging]\nmatchmaking_time_s = 10.0\nrequest_timeout_s = 0.3\nsync_timeout_s = 1.0\n"
+    _, run = config_with(tmp_path, extra + "averaging_timeout_s = 60.0\n")
+    stage = StageOne(run)
+    try:
+        a, b, _, ga, gb, half = two_replicas(stage)
+        take_step([a, b], [ga, gb], half)
+        for replica in (a, b):
+            assert replica.last_step["group"] == 2, replica.last_step
+            assert replica.last_step["s"] - replica.norms.waited < 5.0, replica.last_step
+    finally:
+        stage.close()
