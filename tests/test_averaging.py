@@ -516,7 +516,7 @@ def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_r
         idle.wait()
         elapsed = timed_step(a)
         assert elapsed < 30, f"the step took {elapsed:.1f} s"
-        time.sleep(2.0)  # fetches every 0.1 to 0.5 s
+        time.sleep(2.0)  # fetches every 0.25 to 0.5 s
         assert tracked_partners(a.opt), "the dead partner's report expired already: nothing was tested"
         assert a.opt.tracker.global_progress.num_peers <= 1, a.opt.tracker.global_progress
 
