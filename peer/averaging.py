@@ -918,8 +918,9 @@ class SwarmUpdater:
             # brought the dead replica back and hivemind waited for it).
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.num_peers = 1
-        self.opt.grad_averager.cap(self._caps())
-        self.opt.grad_averager.expect(len(partners) + 1)
+        members = stage_members(self.opt.dht, self.run.run_id, self.stage)
+        self.opt.grad_averager.cap(self._caps(members))
+        self.opt.grad_averager.expect(self._group_target(partners, members))
         before, control = self.epoch, self.opt.scheduled_grads
         reduced = self.opt.grad_averager.reduced_bytes.value
         self.norms.step = before
@@ -1043,13 +1044,22 @@ class SwarmUpdater:
         a = self.run.averaging
         return max(self.STALL_FACTOR * statistics.median(self.rounds), a.matchmaking_time_s + a.chunk_timeout_s)
 
-    def _caps(self) -> dict[str, float] | None:
-        """The most each replica of the stage may weigh in this step's all-reduce, from the trainers'
-        receipts (swarm/receipts.py)."""
+    def _caps(self, members: set[str]) -> dict[str, float] | None:
+        """The most each replica of the stage (its `members`) may weigh in this step's all-reduce, from
+        the trainers' receipts (swarm/receipts.py)."""
         key = str(self.stage)
         receipts = [t.served.get(key, {}) for t in read_trainers(self.opt.dht, self.run.run_id)]
-        members = stage_members(self.opt.dht, self.run.run_id, self.stage)
         return sample_caps(receipts, members, self.run.training.global_batch)
+
+    def _group_target(self, partners: dict[bytes, bool], members: set[str]) -> int | None:
+        """The group size at which this step's round may start at once: every member of the stage, when
+        each is a live partner (it reported samples toward the step and answers); else None, and the
+        group gathers for the whole matchmaking time, as a replica the others do not count (say, one
+        that served nothing this step, and steps with none) may still join. A group closed before
+        such a replica joined left it looking for one until the stall bound (10 s)."""
+        me = self.opt.dht.peer_id.to_base58()
+        live = {PeerID(p).to_base58() for p in partners} | {me}
+        return len(live) if members <= live else None
 
     def skip_to(self, step: int) -> None:
         """Count the steps up to `step` as taken, applying nothing: none of their samples reached a live
