@@ -37,6 +37,7 @@ KEEP = 16  # shares kept per sender: a few steps of each run it takes part in
 MAX_SENDERS = 1024  # beyond this, the sender heard from longest ago is forgotten
 PUSH_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 1.0
+SERVE_TIMEOUT_S = 30.0  # a DHT process that does not answer at start-up is not waited for longer
 
 # In each DHT process: sender's peer id (base58) -> its last shares (run id, stage, step, squared),
 # the sender heard from last at the end.
@@ -47,9 +48,9 @@ def serve(dht: hivemind.DHT) -> bool:
     """Have `dht`'s process keep the shares pushed to it (at most once per DHT process). False when it
     could not: the shares then come through the DHT records alone."""
     try:
-        dht.run_coroutine(_serve)
+        dht.run_coroutine(_serve, return_future=True).result(timeout=SERVE_TIMEOUT_S)
         return True
-    except Exception as err:  # e.g. the DHT process is gone
+    except Exception as err:  # e.g. the DHT process is gone or does not answer
         log.warning(f"norm shares come through the DHT records only: {err!r}")
         return False
 
