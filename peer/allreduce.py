@@ -81,13 +81,22 @@ class ExactAllReduceRunner(AllReduceRunner):
     outputs are values to copy in, not differences to add (a part whose reducer failed keeps the
     member's own values, as before)."""
 
-    def __init__(self, *args, compression: CompressionBase, **kwargs):
+    def __init__(self, *args, compression: CompressionBase, reduced_bytes=None, **kwargs):
         super().__init__(*args, compression=compression, **kwargs)
         self.compression = compression
         self.tensor_part_container.return_deltas = False
         # Bytes of the parts this member reduced for others: received, and their averages sent back.
         # Every byte of a round has one reducer at one end: summed over the members, the round's traffic.
+        # Counted as they pass, into `reduced_bytes` (a multiprocessing.Value) when given: the last
+        # averages a member sends may leave after its own tensors are done.
         self.reduced_bytes = 0
+        self.counter = reduced_bytes
+
+    def _count(self, n: int) -> None:
+        self.reduced_bytes += n
+        if self.counter is not None:
+            with self.counter.get_lock():
+                self.counter.value += n
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
@@ -107,7 +116,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             loop = asyncio.get_event_loop()
             async for msg in stream:
-                self.reduced_bytes += len(msg.tensor_part.buffer)
+                self._count(len(msg.tensor_part.buffer))
                 tensor_part = await loop.run_in_executor(None, serialization.deserialize_torch_tensor, msg.tensor_part)
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
@@ -118,7 +127,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     break  # the sender was banned: its parts are no longer aggregated
                 info = CompressionInfo.from_tensor(averaged)
                 serialized = await loop.run_in_executor(None, self.compression.compress, averaged, info)
-                self.reduced_bytes += len(serialized.buffer)
+                self._count(len(serialized.buffer))
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

@@ -283,6 +283,7 @@ class CappedAverages:
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
+            reduced_bytes=self.reduced_bytes,
             **kwargs,
         )
         senders = [p.to_base58() for p in runner.sender_peer_ids]
@@ -299,14 +300,10 @@ class CappedAverages:
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            try:
-                async for tensor, averaged in azip(as_aiter(*tensors), runner):
-                    tensor.copy_(averaged)  # values, not differences (peer/allreduce.py); averaging_alpha is 1
-                    self.last_updated = get_dht_time()
-                    self._state_updated.set()
-            finally:
-                with self.reduced_bytes.get_lock():
-                    self.reduced_bytes.value += runner.reduced_bytes
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)  # values, not differences (peer/allreduce.py); averaging_alpha is 1
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
