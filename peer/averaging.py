@@ -179,6 +179,9 @@ class LocalUpdater:
     def behind(self, pending: int) -> bool:
         return False
 
+    def settling(self) -> bool:
+        return False
+
     def step(self, pending: int, force: bool = False) -> int:
         """Apply the accumulated gradient; returns how many samples it used."""
         t = self.run.training
@@ -688,6 +691,7 @@ class SwarmUpdater:
         self.contribution_bound = a.contribution_clip * t.grad_clip
         self.source = "the seeded init"
         self.missed = False  # the last all-reduce left this replica out
+        self.lone = False  # the last round included no other replica, though some were live
         self.failed_loads = 0  # loads in a row that brought nothing new while missed
         self.loaded_at: int | None = None  # the step of the last load of the stage's state
         self.check = ReplicaCheck(dht, run.run_id, stage)
@@ -863,6 +867,12 @@ class SwarmUpdater:
             log.warning(f"stage {self.stage} step {self.epoch}: these weights differ from the other replicas'")
         return self.missed
 
+    def settling(self) -> bool:
+        """The last round included no other replica though some were live: until the replicas'
+        digests say whether these weights are the stage's (`ReplicaCheck`, at most its WAIT_S after
+        the step), work computed on them may be on weights nobody else holds."""
+        return self.lone and not self.check.settled and self.loaded_at != self.epoch
+
     def started(self, pending: int) -> bool:
         """Some peer of the stage served samples toward the current step."""
         return pending > 0 or self.opt.tracker.global_progress.samples_accumulated > 0
@@ -964,6 +974,7 @@ class SwarmUpdater:
             self.last_step["s"],
             self.norms.waited,
         )
+        self.lone = group < 2 and bool(partners)
         if group == 0:
             # The others applied a step this replica did not: it must load their state.
             self.missed = True

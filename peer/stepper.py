@@ -90,6 +90,10 @@ class Updater(Protocol):
     def behind(self, pending: int) -> bool:
         """This replica's weights are not the stage's: it must `load_state` before stepping."""
 
+    def settling(self) -> bool:
+        """Whether this replica's weights are the stage's is not known yet (its last round left the
+        others out): work waits until it is, or the state is loaded."""
+
     def step(self, pending: int, force: bool = False) -> int:
         """Apply the accumulated gradient (`force`: even short of the global batch); returns the
         samples used (0: no step was taken)."""
@@ -304,11 +308,13 @@ class Stepper:
             if step > self.optimizer_steps + 1:
                 # No live peer of the stage is past them, so none holds their gradients either.
                 self._skip_to(step, "no live peer of the stage took them")
-        if step != self.optimizer_steps + 1:
-            return  # a stale trainer's gradient counts toward the current step, as in hivemind
         start = time.monotonic()
         try:
-            self._wait_for(step, start + self.run.averaging.sync_timeout_s)
+            # (Work for an older step goes on at once: a stale trainer's gradient counts toward the
+            # current step, as in hivemind.)
+            if step == self.optimizer_steps + 1:
+                self._wait_for(step, start + self.run.averaging.sync_timeout_s)
+            self._settle()
         finally:
             self.waited_s += time.monotonic() - start
 
@@ -328,6 +334,16 @@ class Stepper:
                 return
             else:
                 time.sleep(0.02)
+
+    def _settle(self) -> None:
+        """Hold the work while the replica's weights may not be the stage's (`Updater.settling`: its
+        last round included none of the others), loading the stage's state if the replicas' digests
+        say they are not. Served at once, the work would be computed on weights no other replica holds,
+        and the spot checks that compare the replicas' answers would outvote this honest one."""
+        while self.updater.settling() and not self.stopped():
+            if self.updater.behind(self.samples_pending):
+                self.resync()
+            time.sleep(0.05)
 
     def maybe_step(self) -> None:
         """Step when the stage has served its batch; resync (at most every 2 s) when behind."""

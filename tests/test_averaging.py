@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import hivemind
@@ -34,6 +35,7 @@ from peer.averaging import (
 )
 from peer.options import Faults
 from peer.requests import ForwardWork
+from peer.stepper import Stepper
 from peer.worker import StageWorker
 from swarm import norms
 from swarm.config import RunConfig, load_config
@@ -504,6 +506,24 @@ def test_a_round_stalled_with_a_live_partner_is_cut_at_the_stall_bound(tmp_path,
         elapsed = timed_step(a)
         assert elapsed < 30, f"the step took {elapsed:.1f} s"
         assert any("ran over 5.5 s" in m for m in caplog.messages), caplog.messages
+
+
+def test_work_after_a_round_that_left_a_live_partner_out_waits_until_the_digests_settle(tmp_path):
+    """The partner is live but never steps: the replica's round is cut at the stall bound and it steps
+    alone, its weights now its own. Work naming the step it reached (`catch_up`, which the worker runs
+    before every request) must wait until the replicas' digests of the step say whether these are the
+    stage's weights; here none comes, so until ReplicaCheck.WAIT_S after its own. Answered at once, it
+    was computed on weights no other replica held: a spot check comparing it with another replica's
+    answer outvoted the honest peer, and two such strikes banned it."""
+    with replica_and_idle_partner(tmp_path) as (a, _):
+        a.rounds.extend([0.2, 0.2, 0.2])  # the stall bound: 5.5 s
+        timed_step(a)
+        assert a.last_step["group"] == 1 and a.settling()
+        stepper = Stepper(a.run, 1, a.module, a, threading.Lock(), lambda: False, lambda: None)
+        stepper.catch_up(a.epoch)
+        assert not a.settling() and a.check.settled
+        waited = time.monotonic() - a.check.published_at
+        assert waited >= ReplicaCheck.WAIT_S, f"work was let through {waited:.2f} s after the lone step"
 
 
 def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_report_expires(tmp_path):

@@ -194,6 +194,9 @@ class SpotCheckCaller:
             return answers[-1]
 
         verdict = self.spot.judge(stage, answers[:2], rtol, arbiter)
+        if verdict.odd is not None:
+            role = "training" if verdict.odd == peer else "check"
+            event(f"spot check: peer {verdict.odd} of stage {stage} outvoted on its {role} answer to {name}")
         if verdict.odd != peer:
             if verdict.odd is not None:
                 self._banned(stage, name, verdict.odd, verdict.banned)
@@ -235,6 +238,7 @@ class SpotCheckCaller:
             if host(peer) in tried or agree(_answer(out), expected, rtol):
                 return out, peer  # (a machine tried before: no other left to ask)
             tried.add(host(peer))
+            event(f"spot check: peer {peer} of stage {stage} outvoted on its redone training answer to {name}")
             taken_back = self._take_back(stage, peer, mb_id)
             self._banned(stage, name, peer, self.spot.strike(stage, peer))
             if not taken_back:
