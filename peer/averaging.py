@@ -315,6 +315,13 @@ class CappedAverages:
 class CappedGradientAverager(CappedAverages, GradientAverager):
     """hivemind's gradient averager, its senders' weights capped (`CappedAverages`)."""
 
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Nothing to take. hivemind's Optimizer, loading the stage's state, downloads a gradient
+        averager's "state" (a peer's gradient buffers) after the optimizer's and then zeroes what it
+        got (`reset_accumulated_grads_`): a whole gradient's bytes for nothing, and under load the
+        download hung for the whole load_state_timeout (60 s) and kept a joining peer offline."""
+        return None
+
 
 class CappedPowerSGDAverager(CappedAverages, PowerSGDGradientAverager):
     """hivemind's PowerSGD averager (`[averaging] compression = "powersgd"`), its senders' weights capped.
