@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.children import stop_all
 from tests.processes import ROOT, Proc, child, http, start_coordinator, survivors, wait_for_output, wait_for_state
 
 TINY = ROOT / "configs" / "tiny.toml"
@@ -120,9 +121,9 @@ class Swarm:
         return steps
 
     def close(self) -> None:
-        for proc in [self.trainer, *self.peers.values(), self.coordinator]:
-            if proc is not None:
-                proc.stop()
+        # Every group at once, SIGKILL for what outlives the timeout: stopped one by one, a stop that
+        # raised left the rest running (and eating the CPU) through the tests after.
+        stop_all([p for p in [self.trainer, *self.peers.values(), self.coordinator] if p is not None])
 
 
 def online_names(state: dict) -> set[str]:
