@@ -81,22 +81,19 @@ class ExactAllReduceRunner(AllReduceRunner):
     outputs are values to copy in, not differences to add (a part whose reducer failed keeps the
     member's own values, as before)."""
 
-    def __init__(self, *args, compression: CompressionBase, reduced_bytes=None, **kwargs):
+    def __init__(self, *args, compression: CompressionBase, reduced_bytes, **kwargs):
         super().__init__(*args, compression=compression, **kwargs)
         self.compression = compression
         self.tensor_part_container.return_deltas = False
         # Bytes of the parts this member reduced for others: received, and their averages sent back.
         # Every byte of a round has one reducer at one end: summed over the members, the round's traffic.
-        # Counted as they pass, into `reduced_bytes` (a multiprocessing.Value) when given: the last
-        # averages a member sends may leave after its own tensors are done.
-        self.reduced_bytes = 0
-        self.counter = reduced_bytes
+        # Added as they pass to `reduced_bytes` (the averager's multiprocessing.Value): the last averages
+        # a member sends may leave after its own tensors are done.
+        self.reduced_bytes = reduced_bytes
 
     def _count(self, n: int) -> None:
-        self.reduced_bytes += n
-        if self.counter is not None:
-            with self.counter.get_lock():
-                self.counter.value += n
+        with self.reduced_bytes.get_lock():
+            self.reduced_bytes.value += n
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
