@@ -252,6 +252,11 @@ class CappedAverages:
         # Bytes this replica reduced for the others in all rounds so far (ExactAllReduceRunner
         # reduced_bytes), counted in the averager's process, read in the replica's.
         self.reduced_bytes = multiprocessing.Value(ctypes.c_double, 0.0)
+        # Nobody loads a gradient averager's state (`CappedGradientAverager.load_state_from_peers`), so
+        # it does not offer one. Offered, hivemind re-announced the offer in the DHT on every tensor a
+        # round averaged (its `_state_updated` wakes `_declare_for_download_periodically`): a 2 x 2
+        # swarm of tiny.toml made 12 DHT stores a second for it, a third of its DHT nodes' RPCs.
+        kwargs.setdefault("allow_state_sharing", False)
         super().__init__(*args, **kwargs)
 
     def step(self, weight: float | None = None, **kwargs):
