@@ -604,12 +604,12 @@ def tracked_partners(opt: hivemind.Optimizer) -> dict[bytes, dict]:
     return partners
 
 
-def live_partners(opt: hivemind.Optimizer) -> dict[bytes, bool]:
+def live_partners(opt: hivemind.Optimizer, reports: dict[bytes, dict] | None = None) -> dict[bytes, bool]:
     """The replicas this one can average with now (peer id -> whether it is in client mode): those
     that answer a ping, and those behind a router (client mode: nobody can ping them, they dial the
     group's leader) while their progress report is fresh; these only when some replica can lead a
-    group (one not in client mode)."""
-    reports = tracked_partners(opt)
+    group (one not in client mode). `reports`: `tracked_partners(opt)`, when the caller has read it."""
+    reports = tracked_partners(opt) if reports is None else reports
     pingable = [p for p, r in reports.items() if not r.get("client_mode")]
     alive = dict.fromkeys(answering(opt.dht, pingable, timeout=PING_TIMEOUT_S), False)
     if alive or not opt.client_mode:
@@ -926,11 +926,12 @@ class SwarmUpdater:
             # hivemind's tracker also ends an epoch when its estimated time of arrival has passed.
             with self.opt.tracker.pause_updates():
                 self.opt.tracker.global_progress.eta_next_epoch = get_dht_time()
-        partners = live_partners(self.opt)
+        tracked = tracked_partners(self.opt)
+        partners = live_partners(self.opt, tracked)
         # hivemind counts a replica that died until its progress report expires (TTL_S) and looks for
         # a group with it until averaging_timeout_s: that stalled the whole pipeline right after one
         # peer of a 2 x 2 swarm was killed. Those that do not answer are left out of its view.
-        self.gone = set(tracked_partners(self.opt)) - set(partners)
+        self.gone = set(tracked) - set(partners)
         if not partners:
             # No other replica of the stage is there to average with: step alone at once. Said to the
             # tracker now, and to every fetch until the step begins (a fetch landing in between

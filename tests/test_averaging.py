@@ -56,6 +56,7 @@ from swarm.records import (
     publish_norm_share,
     shutdown_dht,
     stage_norms,
+    state_holders_key,
     visible_maddrs,
 )
 from swarm.rpc import swarm_pb2 as pb
@@ -638,3 +639,28 @@ def test_a_round_closes_once_every_live_replica_joined_not_at_the_end_of_matchma
             assert replica.last_step["s"] - replica.norms.waited < 5.0, replica.last_step
     finally:
         stage.close()
+
+
+def test_replicas_offer_their_state_for_download_and_never_their_gradients(stage_one):
+    """After a step averaged by two real replicas, the DHT lists both as holders of the stage's state
+    (a joiner loads it from them) and neither as holder of a gradient averager's state, which nobody
+    loads. Offered, hivemind re-announced that offer on every tensor a round averaged: a DHT store
+    to every node each time, a third of a 2 x 2 swarm's DHT traffic."""
+    from tests.test_diloco import take_step, two_replicas  # it imports this module
+
+    a, b, _, ga, gb, half = two_replicas(stage_one)
+    take_step([a, b], [ga, gb], half)
+    assert a.last_step["group"] == b.last_step["group"] == 2, (a.last_step, b.last_step)
+    prefix = averaging_prefix(stage_one.run.run_id, 1)
+
+    def holders(key: str) -> set[bytes]:
+        found = a.opt.dht.get(key, latest=True)
+        value = found.value if found is not None and isinstance(found.value, dict) else {}
+        return {subkey for subkey, item in value.items() if item.value is not None}
+
+    replicas = {a.opt.dht.peer_id.to_bytes(), b.opt.dht.peer_id.to_bytes()}
+    deadline = time.monotonic() + 10  # the offers go out asynchronously
+    while holders(state_holders_key(prefix)) != replicas:
+        assert time.monotonic() < deadline, holders(state_holders_key(prefix))
+        time.sleep(0.2)
+    assert holders(f"{prefix}_grad_averager.all_averagers") == set()
