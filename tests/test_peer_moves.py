@@ -69,10 +69,12 @@ def test_a_peer_that_keeps_moving_leaves_no_threads_or_processes_behind(tmp_path
         client.close()
         assert answered >= CALLERS, f"only {answered} calls answered: the stages were not called"
         # From the first move on (hivemind's own threads and processes have started by then), each
-        # move ends what the stage before it ran: the count may wobble by a few threads that are
-        # ending. Before the old servers' pools were shut down it grew by 3 to 6 a move.
-        first, later = counts[1], counts[2:]
-        assert max(c[0] for c in later) <= first[0] + 4, f"threads after each move: {[c[0] for c in counts]}"
-        assert max(c[1] for c in later) <= first[1], f"processes after each move: {[c[1] for c in counts]}"
+        # move ends what the stage before it ran. A count taken right after a burst of calls wobbles
+        # by up to 5 threads that are still ending (31 to 36 in one run), so the last three moves'
+        # mean is held to the first three's: before the old servers' pools were shut down it grew by
+        # 3 to 6 a move, 12 or more between the two means.
+        early, late = [c[0] for c in counts[1:4]], [c[0] for c in counts[-3:]]
+        assert sum(late) / 3 <= sum(early) / 3 + 4, f"threads after each move: {[c[0] for c in counts]}"
+        assert max(c[1] for c in counts[2:]) <= counts[1][1], f"processes after each move: {[c[1] for c in counts]}"
     finally:
         swarm.close()
