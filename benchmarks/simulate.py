@@ -6,7 +6,9 @@ peers leaving at once at `--mass-leave-at-min`), over a device mix of T4, 3090, 
 CPU-class stragglers on home links. Policies: `swarm` (this project's: swarm/rebalance.py with its
 steadiness and randomised periods), `petals` (a peer moves to the stage that raises the minimum
 most, checked every 60 s, when balance quality is below 0.75), `static` (one best plan at the start,
-DT-FM-style; joiners placed by swarm/placement.py, nobody moves).
+DT-FM-style; joiners placed by swarm/placement.py, nobody moves), and `clairvoyant`, a ceiling and
+not a design (each departure seen at once and answered by a move that keeps serving while it
+downloads: what is lost under it, any policy that downloads a stage before serving it loses).
 
 Per run, one row: achieved throughput ÷ oracle averaged over time; seconds after the mass departure
 until the ratio is back to `--goal` (inf: never); moves per peer-hour; share of microbatches with a
@@ -36,7 +38,7 @@ from swarm import rebalance
 # than its header from the rows that named the policy's version on: new rows go to this one.)
 SECTION = "simulate: 8 stages, churn and a mass departure, achieved throughput ÷ oracle; policy version and capacity"
 PLOT_NAME = "simulate_ratio.svg"
-POLICIES = ("swarm", "petals", "static")
+POLICIES = ("swarm", "petals", "static", "clairvoyant")
 
 
 def positive_ints(text: str) -> list[int]:
@@ -75,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=positive_ints, default=[100, 1000], help="swarm sizes, comma-separated")
     p.add_argument("--stages", type=int, default=8, choices=range(1, 65), metavar="[1-64]")
     p.add_argument("--minutes", type=positive, default=120.0, help="simulated minutes")
-    p.add_argument("--policies", type=policies, default=list(POLICIES), help="swarm,petals,static")
+    p.add_argument("--policies", type=policies, default=list(POLICIES), help=",".join(POLICIES))
     p.add_argument("--session-min", type=positive, default=60.0, help="mean session length, minutes")
     p.add_argument("--mass-leave", type=fraction, default=0.2, help="fraction leaving at once (0: none)")
     p.add_argument("--mass-leave-at-min", type=positive, default=None, help="when (default: half-way)")

@@ -21,6 +21,12 @@ The oracle at each step: the best pipeline throughput the peers present could gi
 served since they joined: a newcomer's first download is no policy's doing), each at its effective
 speed (compute and link), on the best assignment: `swarm.rebalance.best_assignment` exhaustively for
 small swarms, else the bound sum / stages (no assignment does better).
+
+A fourth policy, `clairvoyant`, is a ceiling rather than a design: it sees each departure the moment
+it happens (no DHT delay, no record to expire) and answers it at once with a make-before-break move
+(a peer of the stage with the most throughput downloads the emptied stage while it goes on serving
+its own), and does nothing else. What it leaves on the table is what any policy that must download a
+stage before serving it leaves: the emptied stage is short for one download.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ class SimOptions:
     mass_leave_at_min: float | None = 60.0  # when a fraction of the peers leaves at once (None: never)
     mass_leave_fraction: float = 0.2
     mass_leave_stages: int = 0  # the peers that leave at once come from this many stages (0: from all)
-    policy: str = "swarm"  # swarm | petals | static
+    policy: str = "swarm"  # swarm | petals | static | clairvoyant
     period_s: float = 30.0  # rebalance.period_s
     margin: float = 0.1  # rebalance.margin
     petals_period_s: float = 60.0
@@ -90,7 +96,7 @@ class SimPeer:
     delay_class: int
     stage: int = 0
     state: str = "joining"  # joining | online | leaving
-    moving_to: int | None = None
+    moving_to: int | None = None  # while moving: leaving, or online still serving `stage` (clairvoyant)
     ready_at: float = 0.0  # when the current download (join or move) ends
     next_check: float = 0.0
     started: float = 0.0
@@ -184,12 +190,35 @@ class Simulation:
 
     def depart(self, pid: str) -> None:
         """A peer leaves without a word (closed laptop, lost link): its record stays until it expires."""
-        if self.peers.pop(pid, None) is not None and pid in self.records:
+        peer = self.peers.pop(pid, None)
+        if peer is not None and pid in self.records:
             self.ghosts[pid] = self.records.pop(pid)
+        if peer is not None and self.o.policy == "clairvoyant" and peer.state == "online":
+            self.respond(peer)
 
     def move(self, peer: SimPeer, target: int) -> None:
-        peer.state, peer.moving_to, peer.ready_at = "leaving", target, self.now + 2.0 + self.download_s()
+        # Under the clairvoyant policy the mover keeps serving its stage while it downloads the next.
+        keeps_serving = self.o.policy == "clairvoyant"
+        peer.state = "online" if keeps_serving else "leaving"
+        peer.moving_to, peer.ready_at = target, self.now + 2.0 + self.download_s()
         self.result.moves += 1
+
+    def respond(self, gone: SimPeer) -> None:
+        """clairvoyant: answer a departure at once, from the truth: the peer of the stage with the most
+        throughput (counting movers where they go) whose speed is closest to the departed peer's moves
+        to the stage it left, when that lifts the lower of the two."""
+        totals = [0.0] * self.o.stages
+        for p in self.peers.values():
+            if p.state == "online":
+                totals[p.stage if p.moving_to is None else p.moving_to] += p.effective
+        hole = gone.stage if gone.moving_to is None else gone.moving_to
+        rich = max((k for k in range(self.o.stages) if k != hole), key=lambda k: totals[k], default=None)
+        candidates = [p for p in self.peers.values() if p.state == "online" and p.moving_to is None and p.stage == rich]
+        if not candidates:
+            return
+        peer = min(candidates, key=lambda p: abs(p.effective - gone.effective))
+        if totals[rich] - peer.effective > totals[hole]:
+            self.move(peer, hole)
 
     # -- the DHT -----------------------------------------------------------------------------------
 
@@ -248,12 +277,14 @@ class Simulation:
             if p.ready_at <= self.now:
                 if p.state == "leaving":
                     p.stage, p.moving_to, p.state, p.ready_at = p.moving_to, None, "joining", self.now
+                elif p.state == "online" and p.moving_to is not None:  # downloaded while serving
+                    p.stage, p.moving_to = p.moving_to, None
                 if p.state == "joining":
                     p.state, p.serving = "online", True
 
     def rebalance(self) -> None:
         o = self.o
-        if o.policy == "static":
+        if o.policy in ("static", "clairvoyant"):
             return
         steady = [self.steadiness[c].observe(self.view(c), self.now) for c in range(DELAY_CLASSES)]
         plans: dict[int, dict[str, int]] = {}  # the peers of one delay class read one view: one plan

@@ -74,3 +74,22 @@ def test_petals_moves_only_when_balance_quality_is_below_the_threshold():
 
     assert petals_choice(view([[1.0, 1.0, 1.0], [1.0]]), 0, 1.0, 0.75) == 1  # 1 vs 2 after: quality 0.5
     assert petals_choice(view([[1.0, 1.0], [1.5]]), 0, 1.0, 0.75) is None  # no move lifts the minimum
+
+
+def test_the_clairvoyant_ceiling_answers_a_departure_at_once_with_a_mover_that_keeps_serving():
+    # No churn; a quarter of the peers leaves stage 0 at once after a minute.
+    options = SimOptions(
+        peers=24, stages=2, minutes=4, session_min=10**6, mass_leave_at_min=1, mass_leave_stages=1, policy="clairvoyant"
+    )
+    sim = Simulation(options)
+    sim.start()
+    while sim.result.mass_leave_at is None:
+        sim.step()
+    movers = [p for p in sim.peers.values() if p.moving_to is not None]
+    assert movers and all(p.moving_to == 0 and p.stage == 1 and p.state == "online" for p in movers), movers
+    serving = {p.peer_id for p in sim.peers.values() if p.state == "online" and p.stage == 1}
+    assert {p.peer_id for p in movers} <= serving  # stage 1 keeps them while they download stage 0
+    for _ in range(int((options.minutes - 1) * 60 / 4)):
+        sim.step()
+    assert sim.result.moves == len(movers), "nothing but the departures made it move"
+    assert all(p.moving_to is None for p in sim.peers.values()) and sim.recovery(0.9) <= 120
