@@ -288,9 +288,11 @@ def _summary_rows(
 ) -> dict[str, str]:
     last = records[-1] if records else {}
     vals = [r["val_loss"] for r in records if "val_loss" in r]
+    # The demo's one trainer logs its running totals at every step: exact, where its DHT record (refreshed
+    # every few seconds, gone once it expires) still said 0 after a run of a few seconds.
     trainers = state.get("trainers", [])
-    wire = sum(t.get("wire_bytes", 0) for t in trainers)
-    failures = sum(t.get("failures", 0) for t in trainers)
+    wire = last.get("wire_bytes", sum(t.get("wire_bytes", 0) for t in trainers))
+    failures = last.get("failures", sum(t.get("failures", 0) for t in trainers))
     return {
         "steps": str(len(records)),
         "final train loss": f"{last['loss']:.4f}" if last else "-",
