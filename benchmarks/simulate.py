@@ -33,6 +33,7 @@ from benchmarks.plot import line_chart
 from benchmarks.results import append_row, target
 from benchmarks.swarmsim import SimOptions, Simulation
 from swarm import rebalance
+from swarm.config import RebalanceConfig
 
 # (The rows of the section without "policy version and capacity" in its name have two columns more
 # than its header from the rows that named the policy's version on: new rows go to this one.)
@@ -81,7 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-min", type=positive, default=60.0, help="mean session length, minutes")
     p.add_argument("--mass-leave", type=fraction, default=0.2, help="fraction leaving at once (0: none)")
     p.add_argument("--mass-leave-at-min", type=positive, default=None, help="when (default: half-way)")
-    p.add_argument("--period", type=positive, default=30.0, help="rebalance.period_s of the swarm policy")
+    p.add_argument(
+        "--period", type=positive, default=RebalanceConfig().period_s, help="rebalance.period_s of the swarm policy"
+    )
+    p.add_argument(
+        "--margin", type=positive, default=RebalanceConfig().margin, help="rebalance.margin of the swarm policy"
+    )
     p.add_argument("--goal", type=float, default=0.9, help="ratio that counts as recovered")
     p.add_argument(
         "--mass-leave-stages",
@@ -149,6 +155,7 @@ def run(args: argparse.Namespace) -> str:
                 mass_leave_fraction=args.mass_leave,
                 policy=policy,
                 period_s=args.period,
+                margin=args.margin,
                 seed=args.seed,
                 mass_leave_stages=args.mass_leave_stages,
                 link_in_capacity=not args.compute_only_capacity,
@@ -188,7 +195,7 @@ def run(args: argparse.Namespace) -> str:
                 [
                     n,
                     args.stages,
-                    policy,
+                    f"swarm (margin {args.margin:g}, period {args.period:g} s)" if policy == "swarm" else policy,
                     POLICY_VERSION,
                     "compute" if args.compute_only_capacity else "compute and link",
                     f"{args.minutes:g}",

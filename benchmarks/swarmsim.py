@@ -38,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from peer.throughput import capacity
+from swarm.config import RebalanceConfig
 from swarm.placement import pick_stage
 from swarm.rebalance import best_assignment, peer_steadiness, planned_moves, should_move, stage_totals
 from swarm.records import REFRESH_S, TTL_S, PeerRecord, SwarmView
@@ -70,8 +71,8 @@ class SimOptions:
     mass_leave_fraction: float = 0.2
     mass_leave_stages: int = 0  # the peers that leave at once come from this many stages (0: from all)
     policy: str = "swarm"  # swarm | petals | static | clairvoyant
-    period_s: float = 30.0  # rebalance.period_s
-    margin: float = 0.1  # rebalance.margin
+    period_s: float = RebalanceConfig().period_s
+    margin: float = RebalanceConfig().margin
     petals_period_s: float = 60.0
     petals_quality: float = 0.75
     seed: int = 0
@@ -96,7 +97,7 @@ class SimPeer:
     delay_class: int
     stage: int = 0
     state: str = "joining"  # joining | online | leaving
-    moving_to: int | None = None  # while moving: leaving, or online still serving `stage` (clairvoyant)
+    moving_to: int | None = None  # while moving: online still serving `stage`, or leaving (petals)
     ready_at: float = 0.0  # when the current download (join or move) ends
     next_check: float = 0.0
     started: float = 0.0
@@ -173,7 +174,8 @@ class Simulation:
         speed = effective_speed(announced, r.uniform(*self.o.latency_ms) / 1000)
         self.counter += 1
         peer = SimPeer(f"p{self.counter:05d}", device, speed, announced, r.randrange(DELAY_CLASSES), started=self.now)
-        peer.next_check = self.now + r.uniform(0.5, 1.5) * self.o.period_s
+        period = self.o.petals_period_s if self.o.policy == "petals" else self.o.period_s
+        peer.next_check = self.now + r.uniform(0.5, 1.5) * period
         heapq.heappush(self.departures, (self.now + r.expovariate(1 / (self.o.session_min * 60)), peer.peer_id))
         return peer
 
@@ -197,8 +199,9 @@ class Simulation:
             self.respond(peer)
 
     def move(self, peer: SimPeer, target: int) -> None:
-        # Under the clairvoyant policy the mover keeps serving its stage while it downloads the next.
-        keeps_serving = self.o.policy == "clairvoyant"
+        # The mover keeps serving its stage while it downloads the next, as a real peer with room for both
+        # stages does (peer/daemon.py `PeerDaemon.move`); a Petals-style server restarts on its new blocks.
+        keeps_serving = self.o.policy != "petals"
         peer.state = "online" if keeps_serving else "leaving"
         peer.moving_to, peer.ready_at = target, self.now + 2.0 + self.download_s()
         self.result.moves += 1

@@ -21,6 +21,7 @@ p2pd, exit 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import gc
@@ -135,26 +136,41 @@ class PeerDaemon:
         """Join `stage`: announce joining, measure, take the stage's current weights, serve, go online."""
         self.announce(stage=stage, state="joining", address="", moving_to=None, capacity=0.0)
         log.info(f"peer {self.name}: joining stage {stage} of run {self.run.run_id!r}")
-        # A stand-in for a slower device is slower from the start. Announced at once: peers that join
-        # while this one downloads count it on its stage (swarm/rebalance.py `stage_totals`).
-        self.measured = self.options.faults.slowed(cached_throughput(self.run, stage, self.device))
-        if self.link is not None:
-            self.measured = capacity(self.measured, *self.link, *sample_bytes(self.run, stage))
+        # Announced at once: peers that join while this one downloads count it on its stage
+        # (swarm/rebalance.py `stage_totals`).
+        self.measured = self.stage_capacity(stage)
         self.announce(capacity=self.measured)
+        self.worker = self.new_worker(stage)
+        self.go_online(stage, self.take_state(stage, self.worker))
+
+    def stage_capacity(self, stage: int) -> float:
+        """What this peer can serve of `stage`, in samples/s: its device's throughput (a stand-in for a
+        slower device is slower from the start), through its link when the link was measured."""
+        measured = self.options.faults.slowed(cached_throughput(self.run, stage, self.device))
+        if self.link is not None:
+            measured = capacity(measured, *self.link, *sample_bytes(self.run, stage))
+        return measured
+
+    def new_worker(self, stage: int) -> StageWorker:
         opts, checkpoints = self.options, None
         if opts.checkpoint_dir is not None:
             checkpoints = CheckpointWriter(opts.checkpoint_dir, self.run, stage, opts.checkpoint_every)
-        self.worker = StageWorker(self.run, stage, self.device, self.dht, checkpoints, opts.faults, opts.inflight)
-        source = self.take_state(stage)
+        return StageWorker(self.run, stage, self.device, self.dht, checkpoints, opts.faults, opts.inflight)
+
+    def go_online(self, stage: int, source: str) -> None:
+        """Serve `self.worker`, loaded with `stage`'s state from `source`, and announce it online."""
         self.track_swarm()  # before it serves: no request may move it past the swarm's step
         # The port stays the same across moves, so the address the trainers know stays right.
+        opts = self.options
         self.server, _, self.port = start_server(self.worker, opts.host, self.port, member=self.member)
         self.announce(
+            stage=stage,
             address=self.relay.address if self.relay and self.relay.address else self.direct_address(),
             device=self.worker.device_name,
             throughput=self.measured,
             capacity=self.measured,
             state="online",
+            moving_to=None,
             samples_served=0,
             optimizer_steps=self.worker.optimizer_steps,
             weights_from=source,
@@ -232,26 +248,27 @@ class PeerDaemon:
         self.announce(relay=where)
         log.info(f"peer {self.name}: relaying up to {capacity} peers nobody can dial, at {where}")
 
-    def take_state(self, stage: int) -> str:
-        """Load the stage's newest state into the worker: this peer's checkpoint when it is newer than
+    def take_state(self, stage: int, worker: StageWorker) -> str:
+        """Load the stage's newest state into `worker`: this peer's checkpoint when it is newer than
         what the live peers hold, else theirs (else the seeded init); returns where it came from."""
+        self.options.faults.slow_download()
         folder = self.options.checkpoint_dir
         checkpoint = latest_checkpoint(folder, self.run, stage) if folder else None
         live = [] if checkpoint is None else self.live_steps(stage)
         source = None
         if checkpoint is None or (live and checkpoint.step <= majority_step(live)):
-            source = self.worker.updater.load_state()
-            if checkpoint is None or self.worker.optimizer_steps >= checkpoint.step:
+            source = worker.updater.load_state()
+            if checkpoint is None or worker.optimizer_steps >= checkpoint.step:
                 return source
             log.info(
-                f"peer {self.name}: the live peers of stage {stage} offered step {self.worker.optimizer_steps}, "
+                f"peer {self.name}: the live peers of stage {stage} offered step {worker.optimizer_steps}, "
                 f"the checkpoint holds step {checkpoint.step}"
             )
         try:
-            source = self.worker.load_checkpoint(checkpoint)
+            source = worker.load_checkpoint(checkpoint)
         except CheckpointError as err:
             log.warning(f"peer {self.name}: cannot load checkpoint {checkpoint.path}: {err}")
-            return source if source is not None else self.worker.updater.load_state()
+            return source if source is not None else worker.updater.load_state()
         log.info(f"peer {self.name}: resumed stage {stage} from {checkpoint.path}")
         return source
 
@@ -318,13 +335,56 @@ class PeerDaemon:
             self.move(target)
 
     def move(self, target: int) -> None:
-        """Leave this peer's stage for stage `target`."""
+        """Move from this peer's stage to stage `target`. Make before break: the peer goes on serving its
+        stage while it takes the target's state, and switches only once that is loaded; it stops first
+        only when the device has no room for both stages (`swarm.memory.fits_beside`)."""
         source = self.record.stage
-        log.info(f"peer {self.name}: moving from stage {source} to stage {target}")
-        # Wait for the DHT to take "leaving" (with the target): a peer checking next must count this
-        # peer on its new stage, or it moves too.
+        inflight = memory.peer_inflight(self.run, self.options.inflight)
+        free = memory.available(self.device)
+        if not memory.fits_beside(self.run, source, target, self.device.type, inflight, free, self.options.max_memory):
+            log.info(f"peer {self.name}: moving from stage {source} to stage {target}, no room for both: stops first")
+            # Wait for the DHT to take "leaving" (with the target): a peer checking next must count this
+            # peer on its new stage, or it moves too.
+            self.leave_stage(timeout=2, moving_to=target)
+            self.serve(target)
+            return
+        log.info(f"peer {self.name}: moving from stage {source} to stage {target}, serving stage {source} meanwhile")
+        measured = self.stage_capacity(target)
+        # Online with `moving_to`: the trainers go on calling it on its stage, and peers that check count it
+        # on the target (swarm/rebalance.py `placements`), so that they do not move there too.
+        self.announce(timeout=2, moving_to=target, capacity=measured)
+        with self.refreshing():
+            worker = self.new_worker(target)
+            try:
+                source_of_state = self.take_state(target, worker)
+            except BaseException:
+                worker.close()
+                self.announce(moving_to=None, capacity=self.measured)
+                raise
         self.leave_stage(timeout=2, moving_to=target)
-        self.serve(target)
+        self.worker, self.measured = worker, measured
+        self.go_online(target, source_of_state)
+
+    @contextlib.contextmanager
+    def refreshing(self):
+        """Keep the record refreshed (`refresh`) while the daemon's loop waits on something long: a record
+        not refreshed for TTL_S expires, and its peer drops out of the trainers' view of its stage."""
+        done = threading.Event()
+
+        def loop() -> None:
+            while not done.wait(REFRESH_S):
+                try:
+                    self.refresh()
+                except Exception as err:  # a DHT store that failed: the next one may not
+                    log.warning(f"peer {self.name}: record not refreshed: {err}")
+
+        thread = threading.Thread(target=loop, name="refresh-while-moving", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
 
 def exit_now(code: int) -> None:

@@ -45,6 +45,9 @@ class Faults:
     # A restless peer: moves to the next stage at every rebalancing check, whatever the swarm needs
     # (what a move leaves behind, tested without waiting for the swarm to need one).
     restless: bool = False
+    # A slow link: taking a stage's state (on joining, and on a move) takes this many seconds longer, so
+    # that what a peer does meanwhile can be watched.
+    state_delay_s: float = 0.0
     # A hostile peer: says its stage took this many optimizer steps, in its record and its answers.
     claim_steps: int | None = None
     # A hostile peer: declares this many samples toward each of its stage's steps (to hivemind's progress
@@ -57,6 +60,10 @@ class Faults:
         """Take as long as a slower device would have taken over `samples` more."""
         if self.delay_per_sample:
             time.sleep(self.delay_per_sample * samples)
+
+    def slow_download(self) -> None:
+        if self.state_delay_s:
+            time.sleep(self.state_delay_s)
 
     def slowed(self, samples_per_s: float) -> float:
         """A measured throughput as the stand-in for a slower device would have measured it (forward

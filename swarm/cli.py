@@ -216,6 +216,7 @@ def peer_options(args: argparse.Namespace) -> PeerOptions:
             non_finite_grads=args.non_finite_grads,
             log_steps=args.log_steps,
             restless=args.restless,
+            state_delay_s=args.state_delay,
             claim_steps=args.claim_steps,
             declare_samples=args.declare_samples,
         ),
@@ -634,6 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--lie-after", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--malformed", choices=("shape", "nan"), default=None, help=argparse.SUPPRESS)
     peer.add_argument("--restless", action="store_true", help=argparse.SUPPRESS)
+    peer.add_argument("--state-delay", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
     peer.add_argument("--non-finite-grads", action="store_true", help=argparse.SUPPRESS)
     peer.add_argument("--claim-steps", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     peer.add_argument("--declare-samples", type=non_negative_int, default=None, help=argparse.SUPPRESS)

@@ -167,8 +167,14 @@ class DataConfig(_Strict):
 class RebalanceConfig(_Strict):
     """When peers move between stages (swarm/rebalance.py)."""
 
-    period_s: float = Field(30.0, gt=0, description="mean seconds between checks (randomised 0.5x to 1.5x)")
-    margin: float = Field(0.1, ge=0.1, description="a move must lift the stage totals by more than this fraction")
+    period_s: float = Field(10.0, gt=0, description="mean seconds between checks (randomised 0.5x to 1.5x)")
+    margin: float = Field(
+        0.1,
+        ge=0.01,
+        le=1,
+        description="a move must lift the stage totals by more than this fraction (with many peers per stage, "
+        "by half a peer's share of a stage when that is less)",
+    )
 
 
 class AveragingConfig(_Strict):

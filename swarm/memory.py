@@ -205,6 +205,17 @@ def fitting_stages(run: RunConfig, device_type: str, inflight: int, limit: int) 
     return [k for k in range(run.stages.count) if refusal(estimate(run, k, device_type, inflight), limit, run) is None]
 
 
+def fits_beside(
+    run: RunConfig, held: int, stage: int, device_type: str, inflight: int, free: int, max_memory: int | None
+) -> bool:
+    """Whether stage `stage` can be loaded while stage `held` is still in memory (a peer that moves keeps
+    serving its stage until the next one is loaded: peer/daemon.py `PeerDaemon.move`): it fits in the
+    `free` bytes the device has now, and both together within `max_memory` (None: no cap)."""
+    need = estimate(run, stage, device_type, inflight).total
+    both = need + estimate(run, held, device_type, inflight).total
+    return need <= free and (max_memory is None or both <= max_memory)
+
+
 def dry_run(run: RunConfig, device: torch.device, inflight: int, limit: int) -> tuple[str, bool]:
     """Every stage's estimate, each marked as fitting in `limit` bytes or not; and whether any fits."""
     lines = [f"run {run.run_id!r}: {human(limit)} available on {device}, {inflight} microbatches in flight per stage"]

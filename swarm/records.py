@@ -101,7 +101,7 @@ class PeerRecord(BaseModel):
     samples_served: int = Field(0, ge=0)
     optimizer_steps: int = Field(0, ge=0, le=MAX_STEP)
     weights_from: str = ""  # where the stage's state came from: live peers, the seeded init, a checkpoint
-    moving_to: int | None = Field(None, ge=0)  # set while leaving this stage for another one
+    moving_to: int | None = Field(None, ge=0)  # set while moving to another stage (online: still serving this one)
     dht_addrs: list[str] = Field(default_factory=list)  # its DHT node's multiaddrs: a restarted coordinator's way in
     reach: Reach = "unknown"  # whether the coordinator could dial it back, or it serves through a relay
     relay: str = ""  # HOST:PORT of the relay it runs for peers nobody can dial ('': none; swarm/relay.py)

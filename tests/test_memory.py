@@ -153,6 +153,18 @@ def test_a_peer_picks_and_moves_only_to_stages_it_can_hold():
     assert [should_move(view, p, allowed=[0]) for p in movers] == [None, None]
 
 
+def test_a_move_keeps_the_old_stage_only_where_both_stages_fit():
+    run = load_config(ROOT / "configs" / "tiny.toml")
+    one, two = (memory.estimate(run, k, "cpu", inflight=3).total for k in (0, 1))
+    plenty = 10 * (one + two)
+    assert memory.fits_beside(run, 0, 1, "cpu", 3, free=plenty, max_memory=None)
+    assert memory.fits_beside(run, 0, 1, "cpu", 3, free=plenty, max_memory=one + two)
+    # --max-memory caps what the peer takes in all: one stage fits it, both do not.
+    assert not memory.fits_beside(run, 0, 1, "cpu", 3, free=plenty, max_memory=one + two - 1)
+    # The device has no room left beside the stage it holds.
+    assert not memory.fits_beside(run, 0, 1, "cpu", 3, free=two - 1, max_memory=None)
+
+
 def swarm_peer(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "swarm.cli", "peer", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import grpc
 
+from swarm import memory
 from swarm.client import StageClient
 from swarm.config import load_config
 from swarm.ready import PeerReady, read_ready
 from tests.processes import group_members, member_client, wait_for_state
-from tests.test_swarm import TINY, Swarm, online_names, peer_record
+from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
 
 MOVES = 8
 CALLERS = 16  # calls at once: the stage server runs a thread for each
@@ -76,5 +77,46 @@ def test_a_peer_that_keeps_moving_leaves_no_threads_or_processes_behind(tmp_path
         early, late = [c[0] for c in counts[1:4]], [c[0] for c in counts[-3:]]
         assert sum(late) / 3 <= sum(early) / 3 + 4, f"threads after each move: {[c[0] for c in counts]}"
         assert max(c[1] for c in counts[2:]) <= counts[1][1], f"processes after each move: {[c[1] for c in counts]}"
+    finally:
+        swarm.close()
+
+
+def test_a_moving_peer_serves_its_stage_until_the_next_is_loaded_unless_it_has_no_room_for_both(tmp_path):
+    """Make before break (peer/daemon.py `PeerDaemon.move`): a peer with room for two stages goes on
+    serving its stage, online with `moving_to`, while it takes the next stage's state (made slow here:
+    --state-delay stands in for a large stage over a home link), and answers calls for it; a peer whose
+    --max-memory holds one stage only stops serving first, leaving with `moving_to`, as before."""
+    config = tmp_path / "movers.toml"
+    config.write_text(TINY.read_text() + "\n[rebalance]\nperiod_s = 3.0\n")
+    run = load_config(config)
+    one_stage = max(memory.estimate(run, k, "cpu", memory.peer_inflight(run)).total for k in range(2))
+    cap = f"{1.5 * one_stage / 2**30:.3f}"  # GiB: one stage, not two
+    swarm = Swarm(tmp_path, config)
+    seen: dict[str, set[tuple[str, bool]]] = {"r": set(), "f": set()}
+    try:
+        ready = {name: tmp_path / f"{name}.ready" for name in seen}
+        swarm.add_peer("r", 0, "--restless", "--state-delay", "5", "--ready-file", str(ready["r"]))
+        swarm.add_peer("f", 1, "--restless", "--state-delay", "5", "--max-memory", cap, "--ready-file", str(ready["f"]))
+        first = {name: next_stage(path, None, timeout=120) for name, path in ready.items()}
+        answered_while_moving = None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            s = state(swarm.url)
+            for p in (p for stage in s["stages"] for p in stage["peers"] if p["public_name"] in seen):
+                seen[p["public_name"]].add((p["state"], p["moving_to"] is not None))
+                moving = p["state"] == "online" and p["moving_to"] is not None
+                if p["public_name"] == "r" and moving and answered_while_moving is None:
+                    client = member_client(swarm.url, run, p)
+                    try:
+                        answered_while_moving = client.parameters(p["stage"]).optimizer_steps >= 0
+                    finally:
+                        client.close()
+            moved = {name: read_ready(path, PeerReady).stage != first[name].stage for name, path in ready.items()}
+            if all(moved.values()) and answered_while_moving is not None:
+                break
+            time.sleep(0.2)
+        assert ("online", True) in seen["r"], f"r never served while it moved: {seen['r']}"
+        assert answered_while_moving, "r did not answer for its stage while it loaded the next"
+        assert ("leaving", True) in seen["f"] and ("online", True) not in seen["f"], seen["f"]
     finally:
         swarm.close()

@@ -9,7 +9,9 @@ from swarm import rebalance
 from swarm.rebalance import (
     Steadiness,
     best_assignment,
+    effective_margin,
     move_for,
+    moves,
     peer_steadiness,
     planned_moves,
     should_move,
@@ -21,12 +23,12 @@ from swarm.records import PeerRecord, SwarmView
 def settle(speeds: list[float], stages: int, start: list[int], seed: int = 0, margin: float = 0.1):
     """Peers check one at a time in random order until nobody wants to move: (assignment, moves)."""
     rng, assign = random.Random(seed), list(start)
-    for moves in range(100):
+    for made in range(100):
         order = list(range(len(speeds)))
         rng.shuffle(order)
         mover = next(((i, k) for i in order if (k := move_for(speeds, assign, i, stages, margin)) is not None), None)
         if mover is None:
-            return assign, moves
+            return assign, made
         peer, target = mover
         assert assign.count(assign[peer]) > 1, "a move emptied a stage"
         assign[peer] = target
@@ -216,6 +218,21 @@ def test_a_peer_in_the_middle_of_a_move_counts_on_its_new_stage():
     assert [should_move(view, p) for p in stay].count(1) == 1
 
 
+def test_a_peer_that_serves_its_stage_while_it_loads_the_next_counts_on_the_next():
+    # Make before break (peer/daemon.py `PeerDaemon.move`): "a" is online on stage 0 with `moving_to` 1
+    # while it loads stage 1. The trainers still call it on stage 0 (the view's online peers), and the
+    # plan counts it on stage 1: nobody else moves there, and it is not asked to move again.
+    stay = [record(n, 0, 1.0) for n in "bc"]
+    mover = record("a", 0, 1.0, moving_to=1)
+    view = SwarmView(stages=[[*stay, mover], []], trainers=[], read_at=0.0)
+    assert [p.peer_id for p in view.online(0)] == ["b", "c", "a"]
+    assert stage_totals(view) == [2.0, 1.0]
+    assert [should_move(view, p) for p in [*stay, mover]] == [None, None, None]
+    # Without the target, the same records send one of the others to stage 1 as well.
+    still = SwarmView(stages=[[*stay, record("a", 0, 1.0)], []], trainers=[], read_at=0.0)
+    assert [should_move(still, p) for p in stay].count(1) == 1
+
+
 def test_a_large_swarm_moves_a_few_peers_to_a_stage_that_lost_many_and_none_for_a_small_loss():
     # 8 stages x 20 peers of mixed speeds: too many for the exhaustive search.
     speeds = [1.0, 2.2, 3.5, 5.0, 0.05] * 4
@@ -227,6 +244,21 @@ def test_a_large_swarm_moves_a_few_peers_to_a_stage_that_lost_many_and_none_for_
     moved = [i for i, (a, c) in enumerate(zip(target, current, strict=True)) if a != c]
     totals = [sum(x for x, k in zip(throughputs, target, strict=True) if k == s) for s in range(8)]
     assert 1 <= len(moved) <= 8 and min(totals) > 1.1 * sum(throughputs[:15])
+
+
+def test_a_stage_of_many_peers_short_by_less_than_the_margin_is_made_up_for_a_stage_of_two_is_not():
+    # Stage 0 lost one of its 13 equal peers (8% of its total, less than the 10% margin); the other
+    # stages hold 12 such peers and two of half their speed. Half a peer's share of a stage (3.6%) is
+    # the margin here: one half-speed peer moves to stage 0 and lifts the lowest total by 4%.
+    throughputs = [1.0] * 12 + [1.0] * 12 * 7 + [0.5, 0.5] * 7
+    current = [0] * 12 + [k for k in range(1, 8) for _ in range(12)] + [k for k in range(1, 8) for _ in range(2)]
+    assert effective_margin(0.1, len(current), 8) == pytest.approx(1 / (2 * len(current) / 8))
+    targets = moves(throughputs, current, 8, 0.1)
+    assert [t for t in targets if t is not None] == [0], targets
+    assert all(throughputs[i] == 0.5 for i, t in enumerate(targets) if t is not None)
+    # Two stages of two peers (of one machine, measured apart): 5% apart is noise, the margin stays 10%.
+    assert effective_margin(0.1, 4, 2) == 0.1
+    assert moves([1.0, 1.0, 0.9, 0.9], [0, 0, 1, 1], 2, 0.1) == [None] * 4
 
 
 def test_a_large_swarm_all_on_one_stage_is_spread_over_every_stage():
