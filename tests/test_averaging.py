@@ -542,6 +542,12 @@ def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_r
         assert a.opt.tracker.global_progress.num_peers <= 1, a.opt.tracker.global_progress
 
 
+def drifted_log(line: str) -> bool:
+    """A peer's log line that can say why its replica drifted from the others: a warning or error
+    (a round that failed or lost parts), a step, a state loaded, a digest that disagreed."""
+    return any(word in line for word in ("WARNING", "ERROR", "step", "load", "digest", "round"))
+
+
 def train_and_assert_replicas_equal(swarm, run, names: list[str], steps: int) -> dict:
     """Train `steps` steps on the swarm of peers a0, b0 (stage 0) and a1, b1 (stage 1), already online;
     check that every step completed, that the replicas of each stage hold the same bits at the same
@@ -557,7 +563,10 @@ def train_and_assert_replicas_equal(swarm, run, names: list[str], steps: int) ->
     for a, b in (("a0", "b0"), ("a1", "b1")):
         assert held[a][0] == held[b][0] == steps, f"{a} and {b} took {held[a][0]} and {held[b][0]} steps"
         # The same bits, with a lossy codec too: every replica copies in the reducers' averages.
-        assert max_difference(held[a][1], held[b][1]) == 0.0, f"{a} and {b} drifted apart"
+        drift = max_difference(held[a][1], held[b][1])
+        assert drift == 0.0, f"{a} and {b} drifted apart by {drift:g}; what they logged:\n" + "\n".join(
+            f"{n}: {line}" for n in (a, b) for line in swarm.peers[n].output().splitlines() if drifted_log(line)
+        )
     # ... and they did train: the weights moved away from the seeded init.
     init = dict(Stage(run, 1).named_parameters())
     assert max_difference({n: t.detach() for n, t in init.items()}, held["a1"][1]) > 1e-3
