@@ -264,6 +264,19 @@ class CappedAverages:
         rather than the samples accumulated toward this one step."""
         return super().step(weight=self.weight if weight is None else weight, **kwargs)
 
+    async def _step(self, *, step, future_for_init):
+        """hivemind's step, but for a round cancelled (PartnerWatch) just as its all-reduce ended:
+        hivemind 1.1.12 then sets the result of the cancelled control, which raises
+        concurrent.futures' InvalidStateError where it catches only asyncio's; the task dies and its
+        traceback lands in the peer's log. The round is over either way: the replica stepped with
+        its own gradient, and the weights digests settle any difference."""
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)
+        except InvalidStateError:
+            if not step.cancelled():
+                raise
+            log.info("a cancelled round's all-reduce ended after the cancel; its result is dropped")
+
     def cap(self, caps: dict[str, float] | None) -> None:
         """Cap the senders' weights in the rounds to come (peer id -> the most it may weigh)."""
         self._outer_pipe.send(("_set_caps", [caps], {}))

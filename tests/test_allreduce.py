@@ -6,13 +6,18 @@ all-reduce, which hands each member the difference from its own part, leaves the
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import math
+import multiprocessing
 import threading
+import time
 from functools import partial
 
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.optim.grad_averager import GradientAverager
 
 from peer.allreduce import COMPRESSIONS, INT8_BLOCK, as_received
@@ -28,32 +33,45 @@ def gradients(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) * (seed + 1) for shape in SHAPES]
 
 
+def start_averagers(factory, compression: str, prefix: str, nodes: list, averagers: list) -> None:
+    """One averager per entry of WEIGHTS, each on its own DHT node, its gradient accumulated (appended
+    to `nodes` and `averagers`, which the caller shuts down)."""
+    for i in range(len(WEIGHTS)):
+        nodes.append(make_dht(visible_maddrs(nodes[0]) if nodes else None))
+        params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
+        for p, g in zip(params, gradients(i), strict=True):
+            p.grad = g.clone()
+        averagers.append(
+            factory(
+                params,
+                dht=nodes[-1],
+                prefix=prefix,
+                reuse_grad_buffers=True,
+                target_group_size=len(WEIGHTS),
+                min_matchmaking_time=2.0,
+                request_timeout=1.0,
+                compression=COMPRESSIONS[compression],
+                averaged_grads=_grad_buffers([{"params": params}]),
+                start=True,
+            )
+        )
+        averagers[-1].accumulate_grads_(batch_size=1)
+
+
+def shut_down(nodes: list, averagers: list) -> None:
+    for averager in averagers:
+        averager.shutdown()
+    for node in nodes:
+        shutdown_dht(node)
+
+
 def average_with(factory, compression: str, prefix: str) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], int]:
     """Each replica's tensors after one round, the exact weighted average, and the bytes the round
     moved (as the members' reducers counted them; 0 for hivemind's own averager, which counts none)."""
     nodes: list[hivemind.DHT] = []
-    averagers = []
+    averagers: list = []
     try:
-        for i in range(len(WEIGHTS)):
-            nodes.append(make_dht(visible_maddrs(nodes[0]) if nodes else None))
-            params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
-            for p, g in zip(params, gradients(i), strict=True):
-                p.grad = g.clone()
-            averagers.append(
-                factory(
-                    params,
-                    dht=nodes[-1],
-                    prefix=prefix,
-                    reuse_grad_buffers=True,
-                    target_group_size=len(WEIGHTS),
-                    min_matchmaking_time=2.0,
-                    request_timeout=1.0,
-                    compression=COMPRESSIONS[compression],
-                    averaged_grads=_grad_buffers([{"params": params}]),
-                    start=True,
-                )
-            )
-            averagers[-1].accumulate_grads_(batch_size=1)
+        start_averagers(factory, compression, prefix, nodes, averagers)
         groups: list = [None] * len(WEIGHTS)
 
         def step(i: int) -> None:
@@ -71,10 +89,7 @@ def average_with(factory, compression: str, prefix: str) -> tuple[list[list[torc
                 results.append([t.clone() for t in tensors])
         moved = sum(int(a.reduced_bytes.value) for a in averagers if hasattr(a, "reduced_bytes"))
     finally:
-        for averager in averagers:
-            averager.shutdown()
-        for node in nodes:
-            shutdown_dht(node)
+        shut_down(nodes, averagers)
     grads = [gradients(i) for i in range(len(WEIGHTS))]
     exact = [
         sum(w * g[k].double() for w, g in zip(WEIGHTS, grads, strict=True)) / sum(WEIGHTS) for k in range(len(SHAPES))
@@ -137,3 +152,60 @@ def test_int8_error_is_bounded_per_block_so_small_blocks_keep_their_precision():
     assert (decoded[small] - tensor[small]).abs().max() / tensor[small].abs().max() <= 1 / 254 + 1e-6
     per_tensor = tensor.abs().max() / 127  # what one scale for the whole tensor would give that block
     assert (torch.round(tensor[small] / per_tensor) == 0).all(), "the test's small block is not small enough"
+
+
+class SlowRound(CappedGradientAverager):
+    """A member whose all-reduce starts `slow_s` late, long enough for its round to be cancelled
+    while it runs (as PartnerWatch cancels a stalled one); records in `raised` whether its step task
+    (the averager's, in the averager's process) ended with an exception. Every member of a group is
+    of this class: hivemind names its RPCs after the averager's class."""
+
+    def __init__(self, *args, slow_s: float, **kwargs):
+        self.slow_s = slow_s
+        self.raised = multiprocessing.Value(ctypes.c_int, 0)
+        super().__init__(*args, **kwargs)
+
+    async def _aggregate_with_group(self, *args, **kwargs):
+        await asyncio.sleep(self.slow_s)
+        return await super()._aggregate_with_group(*args, **kwargs)
+
+    async def _step(self, **kwargs):
+        try:
+            await super()._step(**kwargs)
+        except BaseException:
+            self.raised.value = 1
+            raise
+
+
+def test_a_round_cancelled_while_its_all_reduce_runs_ends_without_killing_the_averagers_step():
+    """The race PartnerWatch meets: it cancels a round just as the round's all-reduce ends. hivemind
+    then sets the result of the cancelled step and its step task dies with a traceback in the peer's
+    log; the replica must instead step with its own gradient and carry on, and the others of the
+    group still get their average."""
+    nodes: list[hivemind.DHT] = []
+    averagers: list = []
+    delays = iter([3.0, 0.0, 0.0])
+    try:
+        start_averagers(
+            lambda params, **kw: SlowRound(params, global_batch=16, slow_s=next(delays), **kw),
+            "int8",
+            "cancelled",
+            nodes,
+            averagers,
+        )
+        controls = [a.step(weight=w, timeout=60, wait=False) for a, w in zip(averagers, WEIGHTS, strict=True)]
+        slow = controls[0]
+        deadline = time.monotonic() + 30
+        while slow.stage != AveragingStage.RUNNING_ALLREDUCE:
+            assert time.monotonic() < deadline and not slow.done(), f"the round never began: {slow.stage}"
+            time.sleep(0.05)
+        assert slow.cancel()
+        for control in controls[1:]:  # the others' round completes: the slow member still reduced its part
+            assert len(control.result(timeout=60)) == len(WEIGHTS)
+        while slow.stage != AveragingStage.FINISHED:  # its step task ends after its part of the all-reduce
+            assert time.monotonic() < deadline + 60, f"the cancelled step never finished: {slow.stage}"
+            time.sleep(0.05)
+        assert slow.cancelled()
+        assert averagers[0].raised.value == 0, "the cancelled round's step task died with an exception"
+    finally:
+        shut_down(nodes, averagers)

@@ -567,9 +567,11 @@ def train_and_assert_replicas_equal(swarm, run, names: list[str], steps: int) ->
         assert drift == 0.0, f"{a} and {b} drifted apart by {drift:g}; what they logged:\n" + "\n".join(
             f"{n}: {line}" for n in (a, b) for line in swarm.peers[n].output().splitlines() if drifted_log(line)
         )
-    # ... and they did train: the weights moved away from the seeded init.
+    # ... and they did train: the weights moved away from the seeded init. Six steps into a 20-step
+    # warmup to 3e-3 move a weight by about 1e-3 (AdamW moves each by up to the learning rate a
+    # step), less after a DiLoCo outer step averages replicas that moved apart; untrained, by 0.
     init = dict(Stage(run, 1).named_parameters())
-    assert max_difference({n: t.detach() for n, t in init.items()}, held["a1"][1]) > 1e-3
+    assert max_difference({n: t.detach() for n, t in init.items()}, held["a1"][1]) > 1e-4
     return held
 
 
