@@ -17,7 +17,9 @@ capacity the lower of their device's benchmark and their link's speed test, as r
 (peer/throughput.py `capacity`); with `--compute-only-capacity`, the benchmark alone. The mass
 departure takes its peers from the first `--mass-leave-stages` stages (an outage that hits some
 stages, so that recovering needs peers to move), and departed peers' records stay in the DHT until
-they expire, as a killed peer's do. Beside the results, the plot
+they expire, as a killed peer's do. `--settle` and `--no-ready-at` measure the swarm policy without
+what this version changed: a view that must hold still longer before a peer acts on it, and movers
+that do not say when they will serve their target. Beside the results, the plot
 simulate_ratio.svg: the ratio over simulated time for the largest size, one line per policy.
 """
 
@@ -34,6 +36,7 @@ from benchmarks.results import append_row, target
 from benchmarks.swarmsim import SimOptions, Simulation
 from swarm import rebalance
 from swarm.config import RebalanceConfig
+from swarm.rebalance import SETTLE_S
 
 # (The rows of the section without "policy version and capacity" in its name have two columns more
 # than its header from the rows that named the policy's version on: new rows go to this one.)
@@ -88,6 +91,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--margin", type=positive, default=RebalanceConfig().margin, help="rebalance.margin of the swarm policy"
     )
+    p.add_argument(
+        "--settle", type=positive, default=SETTLE_S, help="seconds a view must hold still before a swarm peer acts"
+    )
+    p.add_argument(
+        "--no-ready-at",
+        action="store_true",
+        help="movers do not announce when they will serve their target (the trainer waits for their new record)",
+    )
     p.add_argument("--goal", type=float, default=0.9, help="ratio that counts as recovered")
     p.add_argument(
         "--mass-leave-stages",
@@ -130,6 +141,17 @@ def _policy_version() -> str:
 POLICY_VERSION = _policy_version()
 
 
+def policy_cell(policy: str, args: argparse.Namespace) -> str:
+    """The policy as a row names it: the swarm policy with its settings, and whether movers announce
+    when they will serve their target (every policy but Petals-style moves with make-before-break)."""
+    settings = [f"margin {args.margin:g}", f"period {args.period:g} s", f"settle {args.settle:g} s"]
+    if policy != "swarm":
+        settings = []
+    if args.no_ready_at and policy in ("swarm", "clairvoyant"):
+        settings.append("movers' ready time not announced")
+    return f"{policy} ({', '.join(settings)})" if settings else policy
+
+
 def mass_leave(args: argparse.Namespace, at: float) -> str:
     if args.mass_leave <= 0:
         return "none"
@@ -156,6 +178,8 @@ def run(args: argparse.Namespace) -> str:
                 policy=policy,
                 period_s=args.period,
                 margin=args.margin,
+                settle_s=args.settle,
+                announce_ready=not args.no_ready_at,
                 seed=args.seed,
                 mass_leave_stages=args.mass_leave_stages,
                 link_in_capacity=not args.compute_only_capacity,
@@ -195,7 +219,7 @@ def run(args: argparse.Namespace) -> str:
                 [
                     n,
                     args.stages,
-                    f"swarm (margin {args.margin:g}, period {args.period:g} s)" if policy == "swarm" else policy,
+                    policy_cell(policy, args),
                     POLICY_VERSION,
                     "compute" if args.compute_only_capacity else "compute and link",
                     f"{args.minutes:g}",

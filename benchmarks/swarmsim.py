@@ -10,6 +10,12 @@ Time advances in steps of `REFRESH_S` (every peer re-announces its record once a
 delay: each peer and the trainer read the swarm as it was 0, 4, 8 or 12 s ago (its delay class, drawn
 at join), records stamped when they were written, so a late reader sees old records as old.
 
+A stage's state (`stage_gb`) downloads at the peer's own downlink, a quarter faster or slower from one
+download to the next. A peer that moves keeps serving its stage meanwhile (make-before-break, as
+peer/daemon.py does) and announces when it will serve the target: its last download's time, as the
+real peer computes it (`swarm.rebalance.expected_move_s`); the trainer routes to it there from that
+time on (`swarm.records.SwarmView.routable`), a failed call whenever it was early.
+
 Routing is a flow, not microbatch by microbatch (1,000 peers for 2 hours would be ~10^8 calls): each
 step the trainer's router of every stage is given the peers it reads in the DHT (`update_peers`), and
 in steady state its earliest-finish rule splits the work in proportion to the throughput it plans
@@ -40,12 +46,21 @@ from dataclasses import dataclass, field
 from peer.throughput import capacity
 from swarm.config import RebalanceConfig
 from swarm.placement import pick_stage
-from swarm.rebalance import best_assignment, peer_steadiness, planned_moves, should_move, stage_totals
+from swarm.rebalance import (
+    SETTLE_S,
+    best_assignment,
+    expected_move_s,
+    peer_steadiness,
+    planned_moves,
+    should_move,
+    stage_totals,
+)
 from swarm.records import REFRESH_S, TTL_S, PeerRecord, SwarmView
 from swarm.routing import Router
 
 DELAY_CLASSES = 4  # read delays 0, 4, 8, 12 s
 MICROBATCH = 8  # samples per call, for the per-call latency
+DOWNLOAD_JITTER = 0.25  # a download takes up to this fraction more or less than the peer's downlink gives
 
 
 @dataclass(frozen=True)
@@ -73,10 +88,14 @@ class SimOptions:
     policy: str = "swarm"  # swarm | petals | static | clairvoyant
     period_s: float = RebalanceConfig().period_s
     margin: float = RebalanceConfig().margin
+    settle_s: float = SETTLE_S  # how long a peer's view must hold still before it acts (swarm/rebalance.py)
     petals_period_s: float = 60.0
     petals_quality: float = 0.75
     seed: int = 0
     link_in_capacity: bool = True  # peers announce the lower of compute and link (peer/throughput.py `capacity`)
+    # movers announce when they will serve their target, and the trainer routes to them there from then
+    # on (swarm/records.py `SwarmView.routable`); without it, once their new record reaches the trainer
+    announce_ready: bool = True
 
 
 DEFAULT_DEVICES = (
@@ -95,10 +114,13 @@ class SimPeer:
     effective: float  # samples/s it can serve: compute, link and latency together
     capacity: float  # samples/s it announces: compute and link (peer/throughput.py `capacity`)
     delay_class: int
+    downlink_mbit: float
     stage: int = 0
     state: str = "joining"  # joining | online | leaving
     moving_to: int | None = None  # while moving: online still serving `stage`, or leaving (petals)
     ready_at: float = 0.0  # when the current download (join or move) ends
+    load_s: float = 0.0  # how long its last download (join or move) took
+    announced_ready: float | None = None  # while moving: when it announced it would serve the target
     next_check: float = 0.0
     started: float = 0.0
     serving: bool = False  # has served since it joined: from then on, a move's download counts against the policy
@@ -158,7 +180,7 @@ class Simulation:
         self.now = 0.0
         self.history: deque[SwarmView] = deque(maxlen=DELAY_CLASSES)
         # Peers of one delay class read the same views at the same steps, so they share one Steadiness.
-        self.steadiness = [peer_steadiness() for _ in range(DELAY_CLASSES)]
+        self.steadiness = [peer_steadiness(options.settle_s) for _ in range(DELAY_CLASSES)]
         self.records: dict[str, PeerRecord] = {}  # each live peer's record as last written
         self.ghosts: dict[str, PeerRecord] = {}  # departed peers' last records, in the DHT until they expire
         self.routers = [Router() for _ in range(options.stages)]
@@ -173,21 +195,27 @@ class Simulation:
         announced = capacity(device.speed, up * 1e6, down * 1e6, self.o.activation_mb * 1e6, self.o.activation_mb * 1e6)
         speed = effective_speed(announced, r.uniform(*self.o.latency_ms) / 1000)
         self.counter += 1
-        peer = SimPeer(f"p{self.counter:05d}", device, speed, announced, r.randrange(DELAY_CLASSES), started=self.now)
+        peer = SimPeer(
+            f"p{self.counter:05d}", device, speed, announced, r.randrange(DELAY_CLASSES), down, started=self.now
+        )
         period = self.o.petals_period_s if self.o.policy == "petals" else self.o.period_s
         peer.next_check = self.now + r.uniform(0.5, 1.5) * period
         heapq.heappush(self.departures, (self.now + r.expovariate(1 / (self.o.session_min * 60)), peer.peer_id))
         return peer
 
-    def download_s(self) -> float:
-        return self.o.stage_gb * 8000 / self.rng.uniform(*self.o.downlink_mbit)
+    def download_s(self, peer: SimPeer) -> float:
+        """A stage's download at the peer's downlink, which varies by up to DOWNLOAD_JITTER either way
+        from one download to the next (the link is shared, the sending peers differ)."""
+        jitter = self.rng.uniform(1 - DOWNLOAD_JITTER, 1 + DOWNLOAD_JITTER)
+        return self.o.stage_gb * 8000 / peer.downlink_mbit * jitter
 
     def join(self, peer: SimPeer, stage: int | None = None) -> None:
         if stage is None:
             view = self.view(peer.delay_class)
             counts = [len(s) for s in view.stages]
             stage = pick_stage(stage_totals(view), counts)
-        peer.stage, peer.state, peer.ready_at = stage, "joining", self.now + self.download_s()
+        peer.load_s = self.download_s(peer)
+        peer.stage, peer.state, peer.ready_at = stage, "joining", self.now + peer.load_s
         self.peers[peer.peer_id] = peer
 
     def depart(self, pid: str) -> None:
@@ -203,7 +231,10 @@ class Simulation:
         # stages does (peer/daemon.py `PeerDaemon.move`); a Petals-style server restarts on its new blocks.
         keeps_serving = self.o.policy != "petals"
         peer.state = "online" if keeps_serving else "leaving"
-        peer.moving_to, peer.ready_at = target, self.now + 2.0 + self.download_s()
+        # What the real peer announces (peer/daemon.py): from its last download, not from this one's.
+        peer.announced_ready = self.now + expected_move_s(peer.load_s) if keeps_serving else None
+        peer.load_s = 2.0 + self.download_s(peer)
+        peer.moving_to, peer.ready_at = target, self.now + peer.load_s
         self.result.moves += 1
 
     def respond(self, gone: SimPeer) -> None:
@@ -240,6 +271,7 @@ class Simulation:
                     stage=p.stage,
                     state=p.state,
                     moving_to=p.moving_to,
+                    ready_at=p.announced_ready if p.moving_to is not None and self.o.announce_ready else None,
                     throughput=self.announced(p) if p.state == "online" else 0.0,
                     capacity=self.announced(p),
                     updated=self.now,
@@ -313,7 +345,7 @@ class Simulation:
         view = self.view(DELAY_CLASSES // 2)  # the trainer reads the DHT 8 s late
         rates, failed_share = [], []
         for k, router in enumerate(self.routers):
-            router.update_peers({p.peer_id: p.throughput for p in view.online(k)}, self.now)
+            router.update_peers({p.peer_id: p.throughput for p in view.routable(k, self.now)}, self.now)
             plan = {s.peer_id: s.throughput for s in router.stats(self.now) if s.banned_until is None}
             total = sum(plan.values())
             live, dead, bottleneck = 0.0, 0.0, math.inf

@@ -53,7 +53,7 @@ from swarm.join import dial_back, join_dht
 from swarm.net import announce_address
 from swarm.placement import pick_stage
 from swarm.ready import PeerReady, write_ready
-from swarm.rebalance import peer_steadiness, should_move, stage_totals
+from swarm.rebalance import expected_move_s, peer_steadiness, should_move, stage_totals
 from swarm.records import (
     REFRESH_S,
     PeerRecord,
@@ -117,6 +117,7 @@ class PeerDaemon:
         )
         self.server = self.worker = None
         self.measured = 0.0
+        self.load_s = 0.0  # how long this peer's last load of a stage took (its worker and state)
         self.link: tuple[float, float] | None = None  # (uplink, downlink) bits/s, from the coordinator's link test
         self.relay: RelayLink | None = None  # when nobody can dial this peer: its stream to a relay
         self.relay_server = None  # with --relay: the relay it runs for others
@@ -134,14 +135,17 @@ class PeerDaemon:
 
     def serve(self, stage: int) -> None:
         """Join `stage`: announce joining, measure, take the stage's current weights, serve, go online."""
-        self.announce(stage=stage, state="joining", address="", moving_to=None, capacity=0.0)
+        self.announce(stage=stage, state="joining", address="", moving_to=None, ready_at=None, capacity=0.0)
         log.info(f"peer {self.name}: joining stage {stage} of run {self.run.run_id!r}")
         # Announced at once: peers that join while this one downloads count it on its stage
         # (swarm/rebalance.py `stage_totals`).
         self.measured = self.stage_capacity(stage)
         self.announce(capacity=self.measured)
+        began = time.monotonic()
         self.worker = self.new_worker(stage)
-        self.go_online(stage, self.take_state(stage, self.worker))
+        source = self.take_state(stage, self.worker)
+        self.load_s = time.monotonic() - began
+        self.go_online(stage, source)
 
     def stage_capacity(self, stage: int) -> float:
         """What this peer can serve of `stage`, in samples/s: its device's throughput (a stand-in for a
@@ -171,6 +175,7 @@ class PeerDaemon:
             capacity=self.measured,
             state="online",
             moving_to=None,
+            ready_at=None,
             samples_served=0,
             optimizer_steps=self.worker.optimizer_steps,
             weights_from=source,
@@ -350,17 +355,22 @@ class PeerDaemon:
             return
         log.info(f"peer {self.name}: moving from stage {source} to stage {target}, serving stage {source} meanwhile")
         measured = self.stage_capacity(target)
-        # Online with `moving_to`: the trainers go on calling it on its stage, and peers that check count it
-        # on the target (swarm/rebalance.py `placements`), so that they do not move there too.
-        self.announce(timeout=2, moving_to=target, capacity=measured)
+        # Online with `moving_to`: the trainers go on calling it on its stage until `ready_at`, then on the
+        # target (swarm/records.py `SwarmView.routable`); peers that check count it on the target
+        # (swarm/rebalance.py `placements`), so that they do not move there too.
+        began = time.monotonic()
+        scale = memory.stage_parameters(self.run, target) / max(1, memory.stage_parameters(self.run, source))
+        ready_at = get_dht_time() + expected_move_s(self.load_s, scale)
+        self.announce(timeout=2, moving_to=target, ready_at=ready_at, capacity=measured)
         with self.refreshing():
             worker = self.new_worker(target)
             try:
                 source_of_state = self.take_state(target, worker)
             except BaseException:
                 worker.close()
-                self.announce(moving_to=None, capacity=self.measured)
+                self.announce(moving_to=None, ready_at=None, capacity=self.measured)
                 raise
+        self.load_s = time.monotonic() - began
         self.leave_stage(timeout=2, moving_to=target)
         self.worker, self.measured = worker, measured
         self.go_online(target, source_of_state)

@@ -102,6 +102,8 @@ class PeerRecord(BaseModel):
     optimizer_steps: int = Field(0, ge=0, le=MAX_STEP)
     weights_from: str = ""  # where the stage's state came from: live peers, the seeded init, a checkpoint
     moving_to: int | None = Field(None, ge=0)  # set while moving to another stage (online: still serving this one)
+    # While an online peer moves: the DHT time by which it expects to serve `moving_to` instead (`SwarmView.routable`)
+    ready_at: float | None = Field(None, ge=0, allow_inf_nan=False)
     dht_addrs: list[str] = Field(default_factory=list)  # its DHT node's multiaddrs: a restarted coordinator's way in
     reach: Reach = "unknown"  # whether the coordinator could dial it back, or it serves through a relay
     relay: str = ""  # HOST:PORT of the relay it runs for peers nobody can dial ('': none; swarm/relay.py)
@@ -543,6 +545,30 @@ class SwarmView(BaseModel):
 
     def stage_throughputs(self) -> list[float]:
         return [sum(p.throughput for p in self.online(k)) for k in range(len(self.stages))]
+
+    def routable(self, stage: int, now: float) -> list[PeerRecord]:
+        """The peers a trainer sends `stage`'s calls to at DHT time `now`: those online on it, but for a
+        peer that moves with make-before-break (peer/daemon.py `PeerDaemon.move`) once the time it
+        announced it would be ready has passed: that one goes to its target, at the throughput it
+        measured there. A trainer's view of the DHT lags; without the announced time, a stage that a
+        peer moved to would get no calls from it until its new record reached the trainer, and its old
+        stage would send it calls it refuses. A peer late on its own word fails a call or two there,
+        and is retried elsewhere and banned with back-off like any failing peer."""
+        here = [p for p in self.online(stage) if not switched(p, now)]
+        known = {p.peer_id for p in here}
+        arriving = [
+            p.model_copy(update={"stage": stage, "throughput": p.capacity, "moving_to": None, "ready_at": None})
+            for k, records in enumerate(self.stages)
+            if k != stage
+            for p in records
+            if p.state == "online" and p.moving_to == stage and switched(p, now) and p.peer_id not in known
+        ]
+        return here + arriving
+
+
+def switched(record: PeerRecord, now: float) -> bool:
+    """Whether `record`, of a peer moving between stages, announced it would serve its target by `now`."""
+    return record.moving_to is not None and record.ready_at is not None and record.ready_at <= now
 
 
 def read_swarm(dht: hivemind.DHT, run_id: str, num_stages: int) -> SwarmView:

@@ -85,7 +85,8 @@ def test_a_moving_peer_serves_its_stage_until_the_next_is_loaded_unless_it_has_n
     """Make before break (peer/daemon.py `PeerDaemon.move`): a peer with room for two stages goes on
     serving its stage, online with `moving_to`, while it takes the next stage's state (made slow here:
     --state-delay stands in for a large stage over a home link), and answers calls for it; a peer whose
-    --max-memory holds one stage only stops serving first, leaving with `moving_to`, as before."""
+    --max-memory holds one stage only stops serving first, leaving with `moving_to`, as before. While it
+    moves, the first peer announces when it will serve the target (`ready_at`), and no longer once it does."""
     config = tmp_path / "movers.toml"
     config.write_text(TINY.read_text() + "\n[rebalance]\nperiod_s = 3.0\n")
     run = load_config(config)
@@ -98,13 +99,19 @@ def test_a_moving_peer_serves_its_stage_until_the_next_is_loaded_unless_it_has_n
         swarm.add_peer("r", 0, "--restless", "--state-delay", "5", "--ready-file", str(ready["r"]))
         swarm.add_peer("f", 1, "--restless", "--state-delay", "5", "--max-memory", cap, "--ready-file", str(ready["f"]))
         first = {name: next_stage(path, None, timeout=120) for name, path in ready.items()}
-        answered_while_moving = None
+        answered_while_moving, first_ready_at = None, None
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             s = state(swarm.url)
             for p in (p for stage in s["stages"] for p in stage["peers"] if p["public_name"] in seen):
                 seen[p["public_name"]].add((p["state"], p["moving_to"] is not None))
                 moving = p["state"] == "online" and p["moving_to"] is not None
+                if p["public_name"] == "r" and p["state"] == "online":
+                    # While it moves it says when it will serve the target (its last load took over
+                    # --state-delay's 5 s): the trainers route to it there from then on.
+                    assert (p["ready_at"] is not None) == moving, p
+                    if moving and first_ready_at is None:
+                        first_ready_at = p["ready_at"] - p["updated"]
                 if p["public_name"] == "r" and moving and answered_while_moving is None:
                     client = member_client(swarm.url, run, p)
                     try:
@@ -117,6 +124,7 @@ def test_a_moving_peer_serves_its_stage_until_the_next_is_loaded_unless_it_has_n
             time.sleep(0.2)
         assert ("online", True) in seen["r"], f"r never served while it moved: {seen['r']}"
         assert answered_while_moving, "r did not answer for its stage while it loaded the next"
+        assert first_ready_at is not None and first_ready_at > 0, f"r announced it would be ready {first_ready_at} s on"
         assert ("leaving", True) in seen["f"] and ("online", True) not in seen["f"], seen["f"]
     finally:
         swarm.close()

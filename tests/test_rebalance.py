@@ -4,6 +4,7 @@ import itertools
 import random
 
 import pytest
+from pydantic import ValidationError
 
 from swarm import rebalance
 from swarm.rebalance import (
@@ -17,7 +18,7 @@ from swarm.rebalance import (
     should_move,
     stage_totals,
 )
-from swarm.records import PeerRecord, SwarmView
+from swarm.records import REFRESH_S, PeerRecord, SwarmView
 
 
 def settle(speeds: list[float], stages: int, start: list[int], seed: int = 0, margin: float = 0.1):
@@ -157,11 +158,13 @@ def test_a_large_swarm_is_steady_through_the_churn_of_the_moment_a_small_one_is_
         churned = [*later[1:], record("new", 0, 0.0, state="joining", updated=116.0)]
         churned = [p.model_copy(update={"updated": 116.0}) for p in churned]
         assert steady.observe(view_of(churned, 8, 116.5), 116.5) is steady_with_churn, n
-        # A tenth of the swarm gone at once is no churn: nobody acts until it has held still.
+        # A tenth of the swarm gone at once is no churn: nobody acts until it has held still for a
+        # refresh period, in which every live peer re-announced itself.
         gone = churned[n // 10 :]
         assert not steady.observe(view_of(gone, 8, 120.5), 120.5)
-        assert not steady.observe(view_of(gone, 8, 128.5), 128.5)
-        assert steady.observe(view_of([p.model_copy(update={"updated": 132.0}) for p in gone], 8, 132.5), 132.5)
+        assert not steady.observe(view_of(gone, 8, 120.5 + REFRESH_S - 0.5), 120.5 + REFRESH_S - 0.5)
+        refreshed = [p.model_copy(update={"updated": 120.0 + REFRESH_S}) for p in gone]
+        assert steady.observe(view_of(refreshed, 8, 120.5 + REFRESH_S), 120.5 + REFRESH_S)
 
 
 def test_a_view_late_as_a_whole_is_steady_a_dead_peers_record_in_it_is_not():
@@ -231,6 +234,36 @@ def test_a_peer_that_serves_its_stage_while_it_loads_the_next_counts_on_the_next
     # Without the target, the same records send one of the others to stage 1 as well.
     still = SwarmView(stages=[[*stay, record("a", 0, 1.0)], []], trainers=[], read_at=0.0)
     assert [should_move(still, p) for p in stay].count(1) == 1
+
+
+def test_a_mover_is_routed_on_its_stage_until_the_time_it_announced_then_on_its_target():
+    # The trainers' view of "a" is its record as it began to move: online on stage 0, loading stage 1,
+    # ready by t = 50 (swarm/records.py `SwarmView.routable`). Their views lag: from t = 50 they send
+    # it stage 1's calls, at the capacity it measured for stage 1, and no more of stage 0's.
+    mover = record("a", 0, 3.0, capacity=2.0, moving_to=1, ready_at=50.0)
+    view = SwarmView(stages=[[record("b", 0, 1.0), mover], [record("c", 1, 1.0)]], trainers=[], read_at=0.0)
+    routed = {
+        t: [[(p.peer_id, p.stage, p.throughput) for p in view.routable(k, t)] for k in range(2)] for t in (49, 50)
+    }
+    assert routed[49] == [[("b", 0, 1.0), ("a", 0, 3.0)], [("c", 1, 1.0)]]
+    assert routed[50] == [[("b", 0, 1.0)], [("c", 1, 1.0), ("a", 1, 2.0)]]
+    assert all(p.moving_to is None and p.ready_at is None for p in view.routable(1, 50))
+    # Once its new record is in the view, it is routed by that one, once; a peer that moves without
+    # saying when, or that stops serving first (leaving), is routed by its records alone.
+    arrived = record("a", 1, 2.5)
+    later = SwarmView(stages=[[record("b", 0, 1.0), mover], [record("c", 1, 1.0), arrived]], trainers=[], read_at=0.0)
+    assert [(p.peer_id, p.throughput) for p in later.routable(1, 60)] == [("c", 1.0), ("a", 2.5)]
+    silent = record("a", 0, 3.0, moving_to=1)
+    leaving = record("a", 0, 3.0, state="leaving", moving_to=1, ready_at=50.0)
+    for other in (silent, leaving):
+        v = SwarmView(stages=[[other], [record("c", 1, 1.0)]], trainers=[], read_at=0.0)
+        assert [[p.peer_id for p in v.routable(k, 60)] for k in range(2)] == [[] if other is leaving else ["a"], ["c"]]
+
+
+def test_a_record_with_an_impossible_ready_time_is_refused():
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValidationError, match="ready_at"):
+            record("a", 0, 1.0, moving_to=1, ready_at=bad)
 
 
 def test_a_large_swarm_moves_a_few_peers_to_a_stage_that_lost_many_and_none_for_a_small_loss():

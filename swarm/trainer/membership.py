@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 
 import hivemind
+from hivemind.utils import get_dht_time
 
 from swarm.config import RunConfig
 from swarm.receipts import Receipts, impossible
@@ -81,14 +82,14 @@ class Membership:
         self._convict_liars()
         removed = read_removed(self.dht, self.run.run_id, self.coordinators)  # by the operator: they are leaving
         control = read_control(self.dht, self.run.run_id, self.coordinators)
-        now = time.monotonic()
+        now, dht_now = time.monotonic(), get_dht_time()
         with self._lock:
             self._control = control
             self._swarm_step = swarm_step(view)
             for k in range(self.num_stages):
                 online = [
                     p
-                    for p in view.online(k)
+                    for p in view.routable(k, dht_now)
                     if p.peer_id not in removed and p.peer_id not in self.spot.banned and p.reach != "unreachable"
                 ]  # a peer the coordinator could not dial back is no one's to call (coordinator/api_reachability.py)
                 self._routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
