@@ -34,6 +34,14 @@ def listed_names(base: str) -> set[str]:
     return {p["public_name"] for s in state["stages"] for p in s["peers"]}
 
 
+def serving(base: str, stage: int) -> list[str]:
+    """The public names of the peers online on `stage` now, not in the middle of a move, by the
+    coordinator's view."""
+    state = http().get(f"{base}/api/v1/state").json()
+    peers = state["stages"][stage]["peers"] if stage < len(state["stages"]) else []
+    return [p["public_name"] for p in peers if p["state"] == "online" and p.get("moving_to") is None]
+
+
 def start_peer(url: str, name: str, stage: int | str, tmp: Path, *extra: str, host: str | None = None) -> Proc:
     """`swarm peer` of the run at `url` on `stage` (a number or 'auto'), one torch thread; `host`: the
     loopback address it listens on, a machine of its own (spot checks count one vote per host)."""

@@ -50,6 +50,7 @@ from benchmarks.common import (
     listed_names,
     log_dir,
     read_step_logs,
+    serving,
     start_coordinator,
     start_peer,
     stop_all,
@@ -156,8 +157,6 @@ def run(args: argparse.Namespace) -> str:
         wait_online(url, peers)
         print(f"peers online: {', '.join(peers)}", flush=True)
 
-        victim_name = f"b{args.stage}"
-        victim = peers[victim_name]
         log_json = tmp / "train.jsonl"
         trainer = Proc(
             [
@@ -211,6 +210,10 @@ def run(args: argparse.Namespace) -> str:
                 check_trainer()
                 time.sleep(0.01)
             time.sleep(args.allreduce_delay_s)
+        # The peer that serves --stage now: with rebalancing on, peers may have moved since they started.
+        here = serving(url, args.stage)
+        victim_name = f"b{args.stage}" if f"b{args.stage}" in here else next(iter(sorted(here)), f"b{args.stage}")
+        victim = peers[victim_name]
         killed_at = time.monotonic()
         os.killpg(victim.popen.pid, signal.SIGKILL)
         steps_at_kill = len(tail.records)
