@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> str:
             time.sleep(args.allreduce_delay_s)
         # The peer that serves --stage now: with rebalancing on, peers may have moved since they started.
         here = serving(url, args.stage)
-        victim_name = f"b{args.stage}" if f"b{args.stage}" in here else next(iter(sorted(here)), f"b{args.stage}")
+        victim_name = f"b{args.stage}" if f"b{args.stage}" in here or not here else sorted(here)[0]
         victim = peers[victim_name]
         killed_at = time.monotonic()
         os.killpg(victim.popen.pid, signal.SIGKILL)

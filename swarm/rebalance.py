@@ -32,17 +32,17 @@ from swarm.records import REFRESH_S, PeerRecord, SwarmView
 MARGIN = RebalanceConfig().margin  # the run config's default `rebalance.margin`
 MIN_LIFT = 0.01  # the least a planned move lifts the lowest stage by, as a fraction of its total (large swarms)
 # A peer that moves with make-before-break announces when it will serve its target (PeerRecord.ready_at;
-# the trainers route to it there from then on: SwarmView.routable). Its last load of a stage took some
-# time; this one, beside the stage it serves, may take MOVE_PAD times as long, and the switch up to
-# SWITCH_S more (the old stage's calls drain for up to 3 s, the new server starts).
-MOVE_PAD = 1.0
+# the trainers route to it there from then on: SwarmView.routable): its last load of a stage, then
+# SWITCH_S for the switch (the old stage's calls drain, the new server starts). Not padded: an early
+# announcement costs a failed call or two, retried elsewhere; a late one leaves the peer idle on its
+# target (padded by a quarter and 3 s, the simulated swarm gained a third as much, benchmarks/simulate.py).
 SWITCH_S = 2.0
 
 
 def expected_move_s(last_load_s: float, scale: float = 1.0) -> float:
     """Seconds a make-before-break move should take, to announce: `last_load_s`, the peer's last load of
-    a stage, times `scale`, the target stage's size over that stage's, padded; then the switch."""
-    return MOVE_PAD * last_load_s * scale + SWITCH_S
+    a stage, times `scale`, the target stage's size over that stage's; then the switch."""
+    return last_load_s * scale + SWITCH_S
 
 
 def best_assignment(throughputs: list[float], current: list[int], num_stages: int) -> list[int]:
