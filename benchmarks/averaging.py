@@ -11,7 +11,10 @@ should follow the reference's loss curve.
 Definitions:
 - final loss = mean training loss of the last `--tail` steps (one step's loss is noisy);
 - ratio = swarm final loss / reference final loss; the goal is within 2% (no codec) and 3% (int8);
-- val loss = the last validation pass of each run (same validation batches);
+- val loss = the last validation pass of each run, right after its last step: the loss of the model
+  the run produced on `--eval-batches` held-out micro-batches, the same for both runs (DiLoCo, when
+  the steps are a multiple of H: the outer weights, what `swarm export` takes; the training loss
+  of a DiLoCo run is its replicas' inner weights within a phase); the goal is checked on both;
 - s/step = wall seconds per global step of the swarm trainer (matchmaking and all-reduce included);
 - averaging bytes / param / step = the bytes the stages' all-reduces moved (each replica counts the
   parts it reduced for the others, received and sent back: peer/allreduce.py; from the peers'
@@ -48,6 +51,7 @@ from benchmarks.common import (
     stop_all,
     wait_online,
     with_averaging,
+    with_eval_batches,
     with_wire,
 )
 from benchmarks.plot import line_chart
@@ -79,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--matchmaking", type=float, default=LOOPBACK_MATCHMAKING_S, help="averaging.matchmaking_time_s (loopback)"
     )
     p.add_argument("--tail", type=int, default=10, help="steps averaged into the final loss")
+    p.add_argument(
+        "--eval-batches", type=int, default=16, help="held-out micro-batches of the validation passes (both runs)"
+    )
     p.add_argument("--every", type=int, default=10, help="steps between rows of the loss-curve table")
     p.add_argument("--log-dir", default=None)
 
@@ -97,10 +104,11 @@ def variants(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def variant(config: Path, codec: str, averaging: str, matchmaking: float) -> str:
-    """The config's text with the wire codec and the averaging (`averaging_spec`) set, and loopback
-    averaging timeouts (unless it sets its own)."""
-    text = with_wire(config.read_text(), codec)
+def variant(config: Path, codec: str, averaging: str, matchmaking: float, eval_batches: int | None = None) -> str:
+    """The config's text with the wire codec, the averaging (`averaging_spec`) and (unless None) the
+    validation batches set, and loopback averaging timeouts (unless it sets its own)."""
+    text = config.read_text()
+    text = with_wire(with_eval_batches(text, eval_batches) if eval_batches else text, codec)
     if "[averaging]" not in text:
         text += f"\n[averaging]\nmatchmaking_time_s = {matchmaking}\nrequest_timeout_s = {matchmaking * 0.6:g}\n"
     return with_averaging(text, averaging_spec(averaging))
@@ -147,9 +155,10 @@ def run(args: argparse.Namespace) -> str:
     tmp = log_dir(args.log_dir, "averaging")
 
     print(f"reference: swarm train --local, {args.steps} steps", flush=True)
-    local_log = tmp / "local.jsonl"
+    local_log, local_config = tmp / "local.jsonl", tmp / "local.toml"
+    local_config.write_text(with_eval_batches(Path(args.config).read_text(), args.eval_batches))
     subprocess.run(
-        [sys.executable, "-m", "swarm.cli", "train", "--local", "--config", args.config]
+        [sys.executable, "-m", "swarm.cli", "train", "--local", "--config", str(local_config)]
         + ["--steps", str(args.steps), "--log-json", str(local_log)],
         cwd=ROOT,
         check=True,
@@ -164,7 +173,7 @@ def run(args: argparse.Namespace) -> str:
         run_dir = tmp / f"{codec}-{averaging.replace('/', '-')}"
         run_dir.mkdir(exist_ok=True)
         config = run_dir / "run.toml"
-        config.write_text(variant(Path(args.config), codec, averaging, args.matchmaking))
+        config.write_text(variant(Path(args.config), codec, averaging, args.matchmaking, args.eval_batches))
         load_config(config)  # refuse a broken variant before starting processes
         print(f"swarm: {cfg.stages.count} stages x {args.replicas} replicas, wire {codec}, averaging {averaging}")
         records, wall, moved = run_swarm(config, cfg.stages.count, args.replicas, args.steps, run_dir)
@@ -173,6 +182,19 @@ def run(args: argparse.Namespace) -> str:
         ratio = ours / ref
         goal = GOALS.get(codec, 0.03) if compression == "none" else 0.03
         met = "met" if abs(ratio - 1) <= goal else "not met"
+        vals = (last_val(local), last_val(records))
+        val_ratio = vals[1] / vals[0] if all(vals) else None
+        if val_ratio is not None:
+            on = (
+                ""
+                if mode == "gradients"
+                else (
+                    " (outer weights)" if args.steps % settings["inner_steps"] == 0 else " (inner weights, mid-phase)"
+                )
+            )
+            met = f"training loss {met}, final model's held-out loss{on} " + (
+                "met" if abs(val_ratio - 1) <= goal else "not met"
+            )
         per_param = moved / params / args.steps
         rows.append(
             append_row(
@@ -210,7 +232,7 @@ def run(args: argparse.Namespace) -> str:
                     f"{per_param:.2f}",
                     f"{per_param / tokens:.2e}",
                     f"goal within {goal:.0%}: {met}; final loss = mean of the last {args.tail} steps; "
-                    + (f"val ratio {last_val(records) / last_val(local):.4f}; " if last_val(local) else "")
+                    + (f"val ratio {val_ratio:.4f} on {args.eval_batches} batches; " if val_ratio else "")
                     + f"{moved / 1e6:.1f} MB averaged over {params:,} parameters; "
                     f"matchmaking {args.matchmaking} s, loopback, 1 torch thread per peer",
                 ],

@@ -165,6 +165,15 @@ def with_wire(text: str, codec: str) -> str:
     return text + f'\n[wire]\ncodec = "{codec}"\n'
 
 
+def with_eval_batches(text: str, count: int) -> str:
+    """A config's text with `[training] eval_batches` set (the section added when missing)."""
+    if re.search(r"(?m)^eval_batches = \d+", text):
+        return re.sub(r"(?m)^eval_batches = \d+", f"eval_batches = {count}", text)
+    if "[training]\n" not in text:
+        return text + f"\n[training]\neval_batches = {count}\n"
+    return text.replace("[training]\n", f"[training]\neval_batches = {count}\n", 1)
+
+
 def with_averaging(text: str, settings: dict) -> str:
     """A config's text with these [averaging] settings (the section added when missing)."""
     lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())

@@ -167,6 +167,15 @@ class LocalUpdater:
         self.epoch = 0
         self.source = "the seeded init"
 
+    outer_optimizer = None
+
+    @property
+    def agreed_step(self) -> int:
+        return self.epoch
+
+    def agreed_weights(self) -> None:
+        return None
+
     def served(self, pending: int) -> None:
         pass
 
@@ -810,6 +819,24 @@ class SwarmUpdater:
         """The optimizer of the module's weights (diloco: this replica's inner AdamW)."""
         return self.inner if self.inner is not None else self.opt.state_averager.optimizer
 
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        return self.opt.state_averager.optimizer if self.diloco else None
+
+    @property
+    def agreed_step(self) -> int:
+        """The step the stage's agreed weights include: diloco, the last outer step's (within a phase
+        the outer weights stay those of its first step)."""
+        return self.epoch - self.epoch % self.run.averaging.inner_steps if self.diloco else self.epoch
+
+    def agreed_weights(self) -> list[torch.Tensor] | None:
+        """diloco: a copy of the outer weights (what the replicas agree on, what a joiner downloads);
+        None otherwise (the module's weights are the stage's)."""
+        if not self.diloco:
+            return None
+        with self.opt.state_averager.lock_averaged_tensors, torch.no_grad():
+            return [p.detach().to("cpu", copy=True) for p in self.held.parameters()]
+
     def served(self, pending: int) -> None:
         """Tell the stage's tracker how many samples this peer holds gradients for."""
         self.opt.tracker.report_local_progress(self.epoch, self.declared(pending))
@@ -1151,8 +1178,8 @@ class SwarmUpdater:
         snapshot = checkpoint.load()
         averager = self.opt.state_averager
         with averager.lock_averaged_tensors:
-            snapshot.apply(self.module, self.optimizer)
-            if self.diloco:  # the checkpoint's weights are the outer ones too (the outer momentum starts at 0)
+            snapshot.apply(self.module, self.optimizer, self.outer_optimizer)
+            if self.diloco:  # written at an outer step: its weights are the outer ones too
                 copy_weights(self.held.parameters(), self.inner_params)
                 self._start_phase()
         averager._load_local_tensors_into_averager_()  # as load_state_from_peers does after a download

@@ -110,16 +110,24 @@ class Snapshot:
     optimizer_tensors: dict[str, torch.Tensor]
 
     @classmethod
-    def take(cls, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Snapshot:
-        """Copy the state now. Call it between optimizer steps, on the thread that runs them."""
+    def take(
+        cls, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, outer: torch.optim.Optimizer | None
+    ) -> Snapshot:
+        """Copy the state now. Call it between optimizer steps, on the thread that runs them. `outer`:
+        DiLoCo's outer optimizer (its momentum), whose state goes under the layout's key "outer"."""
         with torch.no_grad():
             weights = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in module.named_parameters()}
             tensors: dict[str, torch.Tensor] = {}
             layout = _split_tensors(optimizer.state_dict(), "optimizer", tensors)
+            if outer is not None:
+                layout["outer"] = _split_tensors(outer.state_dict(), "outer", tensors)
         return cls(step, weights, layout, tensors)
 
-    def apply(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Put this state into `module` and `optimizer` (checked first: a mismatch changes nothing)."""
+    def apply(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, outer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Put this state into `module`, `optimizer` and (DiLoCo) `outer` (checked first: a mismatch
+        changes nothing). A checkpoint without an outer state leaves `outer`'s as it is."""
         params = dict(module.named_parameters())
         if set(params) != set(self.weights):
             missing, extra = sorted(set(params) - set(self.weights)), sorted(set(self.weights) - set(params))
@@ -128,15 +136,29 @@ class Snapshot:
             if self.weights[name].shape != p.shape:
                 raise CheckpointError(f"{name}: shape {list(self.weights[name].shape)}, expected {list(p.shape)}")
         state = _join_tensors(self.optimizer_layout, self.optimizer_tensors)
-        try:
-            groups = zip(state["param_groups"], optimizer.param_groups, strict=True)
-            state = {
-                "state": {int(k): v for k, v in state["state"].items()},
-                "param_groups": [_tuples_like(saved, live) for saved, live in groups],
-            }
-            optimizer.load_state_dict(state)
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"optimizer state does not fit this stage's optimizer: {err}") from None
+        targets = [("optimizer", optimizer, state)]
+        if outer is not None and "outer" in state:
+            targets.append(("outer optimizer", outer, state["outer"]))
+        loads = []
+        for what, opt, saved in targets:
+            try:
+                groups = zip(saved["param_groups"], opt.param_groups, strict=True)
+                loads.append(
+                    (
+                        opt,
+                        {
+                            "state": {int(k): v for k, v in saved["state"].items()},
+                            "param_groups": [_tuples_like(g, live) for g, live in groups],
+                        },
+                    )
+                )
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                raise CheckpointError(f"{what} state does not fit this stage's {what}: {err}") from None
+        for opt, loaded in loads:
+            try:
+                opt.load_state_dict(loaded)
+            except (KeyError, TypeError, ValueError) as err:
+                raise CheckpointError(f"optimizer state does not fit this stage's optimizer: {err}") from None
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(self.weights[name])
@@ -310,7 +332,7 @@ def latest_checkpoint(root: Path, run: RunConfig, stage: int) -> Checkpoint | No
 
 
 class CheckpointWriter:
-    """Saves a stage's snapshot every `every` optimizer steps on a thread of its own.
+    """Saves a stage's snapshot every `every` optimizer steps (`offer`) on a thread of its own.
 
     `offer` is called by the worker after each step; it takes the snapshot only when one is due
     and the last one has been written. `before_write` runs on the writer's thread before each
@@ -336,13 +358,20 @@ class CheckpointWriter:
         self._cond = threading.Condition()
         self._pending: Snapshot | None = None
         self._writing: int | None = None  # the step being written, None when idle
+        self._mark: int | None = None  # the last step offered // every
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"stage-{stage}-checkpoints", daemon=True)
         self._thread.start()
 
     def offer(self, step: int, take: Callable[[], Snapshot]) -> bool:
-        """Take a snapshot with `take` and queue it, if one is due at `step` and the writer is free."""
-        if step % self.every:
+        """Take a snapshot with `take` and queue it, if one is due at `step` and the writer is free.
+
+        One is due at each multiple of `every`, or, when the steps offered passed over it (a
+        replica that skipped steps; DiLoCo, whose replicas offer only the steps that end a phase),
+        at the first step offered after it."""
+        mark, last = step // self.every, self._mark
+        self._mark = mark
+        if (mark <= last) if last is not None else step % self.every:
             return False
         with self._cond:
             if self._closed:

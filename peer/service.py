@@ -181,9 +181,9 @@ class StageService:
         # taken while the snapshot waited for the worker's lock shows as a changed count, and the
         # snapshot is taken again.
         for _ in range(3):
-            steps = self.worker.optimizer_steps
+            steps = self.worker.weights_step
             params, grads = self.worker.named_tensors(request.with_grads)
-            if self.worker.optimizer_steps == steps:
+            if self.worker.weights_step == steps:
                 break
         else:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the stage kept stepping while its weights were read")

@@ -75,6 +75,19 @@ class Updater(Protocol):
     def optimizer(self) -> torch.optim.Optimizer: ...
 
     @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """diloco: the outer optimizer (its momentum goes into checkpoints); None otherwise."""
+
+    @property
+    def agreed_step(self) -> int:
+        """The step of the weights the stage's replicas agree on: `epoch`, or (diloco) the last outer step."""
+
+    def agreed_weights(self) -> list[torch.Tensor] | None:
+        """A copy of the weights the stage's replicas agree on, in the order of the module's trainable
+        parameters, when the module holds others (diloco, within a phase: its inner weights); None
+        when the module's weights are the agreed ones."""
+
+    @property
     def missed(self) -> bool:
         """The last step left this replica out: its state is not the step's."""
 
@@ -418,11 +431,19 @@ class Stepper:
                 with open(self.step_log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
             self.pending_ids = []
-            if self.checkpoints is not None and not self.updater.missed:
-                # A replica that missed the stage's all-reduce holds a state that is not the step's.
+            if (
+                self.checkpoints is not None
+                and not self.updater.missed
+                and self.updater.agreed_step == self.optimizer_steps
+            ):
+                # A replica that missed the stage's all-reduce holds a state that is not the step's;
+                # within a DiLoCo phase the weights are this replica's own (it is written at the
+                # first outer step from the interval on: `CheckpointWriter.offer`).
                 self.checkpoints.offer(
                     self.optimizer_steps,
-                    lambda: Snapshot.take(self.module, self.updater.optimizer, self.optimizer_steps),
+                    lambda: Snapshot.take(
+                        self.module, self.updater.optimizer, self.optimizer_steps, self.updater.outer_optimizer
+                    ),
                 )
         finally:
             # What was served while the step ran counts toward the next one.

@@ -530,9 +530,20 @@ class StageWorker:
 
     # -- state -----------------------------------------------------------------------------
 
+    @property
+    def weights_step(self) -> int:
+        """The step of the weights `named_tensors` reads: the stage's agreed ones (DiLoCo: the last
+        outer step's, which every replica of the stage holds, not this replica's inner weights)."""
+        return self.updater.agreed_step
+
     def named_tensors(self, with_grads: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The stage's agreed weights (`weights_step`) by name, and, `with_grads`, this replica's gradients."""
         with self.lock:
             params = {n: p.detach().to("cpu").clone() for n, p in self.stage.named_parameters()}
+            agreed = self.updater.agreed_weights()
+            if agreed is not None:
+                trainable = [n for n, p in self.stage.named_parameters() if p.requires_grad]
+                params.update(zip(trainable, agreed, strict=True))
             grads = {}
             if with_grads:
                 grads = {

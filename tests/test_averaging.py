@@ -605,6 +605,17 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
         outputs[name] = response.loss
     assert outputs["late1"] == pytest.approx(outputs["a1"], abs=1e-6), outputs
 
+    if run.averaging.mode == "diloco":
+        # One inner step more moves the replicas' own weights apart, but what a Parameters call (and
+        # so `swarm export`) reads stays the stage's outer weights, of the last outer step, on each.
+        swarm.train(1)
+        swarm.finish_training()
+        s = state(swarm.url)
+        assert max(peer_record(s, n)["optimizer_steps"] for n in ("a1", "b1", "late1")) == steps + 1
+        for name in ("a1", "b1", "late1"):
+            step, tensors = parameters(swarm.url, run, peer_record(s, name))
+            assert step == steps and max_difference(tensors, held["a1"][1]) <= 1e-6, name
+
 
 def test_unequal_peers_rebalance_to_within_ten_percent_of_the_best_assignment(tmp_path):
     period = 4.0

@@ -220,8 +220,15 @@ def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
     every, diloco = (cells(header, row) for row in rows)
     assert every["averaging compression"] == diloco["averaging compression"] == "int8", rows
     assert (every["averaging mode"], diloco["averaging mode"]) == ("gradients", "diloco3-pinned"), rows
-    averaging = load_config(results.parent / "logs" / "none-int8-diloco3-pinned" / "run.toml").averaging
+    joined = load_config(results.parent / "logs" / "none-int8-diloco3-pinned" / "run.toml")
+    averaging = joined.averaging
     assert (averaging.mode, averaging.inner_steps, averaging.paths) == ("diloco", 3, "pinned"), averaging
+    # Both runs validate on the same 16 held-out batches; the DiLoCo run's last pass, after its 3rd
+    # step (an outer step), on the outer weights, and the row checks the goal on both losses.
+    assert joined.training.eval_batches == 16
+    assert load_config(results.parent / "logs" / "local.toml").training.eval_batches == 16
+    assert "final model's held-out loss (outer weights)" in diloco["notes"], diloco
+    assert "on 16 batches" in every["notes"] and "training loss" in every["notes"], every
     per_step = float(every["averaging bytes / param / step"])
     assert 0.5 < per_step < 4, every
     # One int8 round in the 3 steps: about 2 bytes a value over 3 steps. (The gradients run may have

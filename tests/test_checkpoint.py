@@ -50,7 +50,7 @@ def trained(steps: int, run: RunConfig = RUN, stage: int = LAST) -> LocalUpdater
 
 
 def snapshot(updater: LocalUpdater) -> Snapshot:
-    return Snapshot.take(updater.module, updater.optimizer, updater.epoch)
+    return Snapshot.take(updater.module, updater.optimizer, updater.epoch, updater.outer_optimizer)
 
 
 def assert_same_state(a: LocalUpdater, b: LocalUpdater) -> None:
@@ -221,6 +221,21 @@ def test_a_slow_disk_never_holds_up_the_worker_and_a_busy_writer_skips_a_checkpo
     finally:
         release.set()
         worker.close()
+
+
+def test_steps_offered_past_a_multiple_of_the_period_are_checkpointed_at_the_first_after_it(tmp_path):
+    """A DiLoCo replica offers only the steps that end a phase (here every 3rd), and a replica that
+    skipped steps jumps over some: one is written at the first step offered at or after each
+    multiple of `every`, and none twice in one period."""
+    writer = CheckpointWriter(tmp_path, RUN, LAST, every=5)
+    updater = trained(1)
+    try:
+        for step in (3, 6, 9, 12, 15, 16, 24, 26):
+            writer.offer(step, lambda s=step: Snapshot.take(updater.module, updater.optimizer, s, None))
+            assert writer.wait_idle(60)
+        assert writer.saved == [6, 12, 15, 24, 26], writer.saved  # (the old rule, step % every == 0: [15])
+    finally:
+        writer.close()
 
 
 # -- the command line ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from peer.averaging import SwarmUpdater, live_partners, weights_digest
+from peer.checkpoint import Snapshot, check_checkpoint, write_checkpoint
 from swarm.model import Stage
 from swarm.optim import make_optimizer, param_groups, primed
 from swarm.records import TTL_S, visible_maddrs
@@ -143,6 +144,41 @@ def test_an_outer_step_averages_the_pseudo_gradients_and_leaves_the_replicas_bit
         expected = s - av.outer_lr * (1 + av.outer_momentum) * pseudo
         assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
     assert max((x - s).abs().max().item() for x, s in zip(weights(a.module), start, strict=True)) > 1e-4
+
+
+def test_within_a_phase_the_stages_agreed_weights_are_the_outer_ones_of_the_last_outer_step(stage_one):
+    """What a Parameters call (and so `swarm export`) reads: every replica of the stage hands over the
+    same weights at the same step mid-phase, the outer ones, not its own inner weights."""
+    a, b, start, ga, gb, half = two_replicas(stage_one)
+    take_step([a, b], [ga, gb], half)
+    assert a.agreed_step == b.agreed_step == 0
+    assert all(torch.equal(x, s) for r in (a, b) for x, s in zip(r.agreed_weights(), start, strict=True))
+    for _ in range(H):  # the outer step, then one inner step of the next phase
+        take_step([a, b], [ga, gb], half)
+    assert (a.epoch, a.agreed_step, b.agreed_step) == (H + 1, H, H)
+    outer = weights(a.held)
+    assert any(not torch.equal(x, y) for x, y in zip(weights(a.module), weights(b.module), strict=True))
+    for r in (a, b):
+        assert all(torch.equal(x, y) for x, y in zip(r.agreed_weights(), outer, strict=True))
+        assert any(not torch.equal(x, y) for x, y in zip(r.agreed_weights(), weights(r.module), strict=True))
+
+
+def test_a_checkpoint_taken_at_an_outer_step_gives_back_the_outer_momentum(stage_one, tmp_path):
+    """A resumed replica continues the outer Nesterov step where it was, not from a momentum of 0."""
+    run = stage_one.run
+    a, b, _, ga, gb, half = two_replicas(stage_one)
+    for _ in range(H):
+        take_step([a, b], [ga, gb], half)
+    outer = a.outer_optimizer
+    momentum = [outer.state[p]["momentum_buffer"].clone() for p in a.held.parameters()]
+    assert momentum[0].abs().sum() > 0
+    saved = write_checkpoint(tmp_path, run, 1, Snapshot.take(a.module, a.optimizer, a.epoch, outer))
+    for p in a.held.parameters():
+        outer.state[p]["momentum_buffer"].zero_()
+    a.load_checkpoint(check_checkpoint(saved, run, 1))
+    assert a.epoch == H
+    for p, m in zip(a.held.parameters(), momentum, strict=True):
+        assert torch.equal(outer.state[p]["momentum_buffer"], m)
 
 
 def test_a_joiner_mid_phase_takes_the_outer_weights_and_momentum_and_ends_the_next_phase_equal(stage_one):
