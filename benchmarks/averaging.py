@@ -10,7 +10,7 @@ should follow the reference's loss curve.
 
 Definitions:
 - final loss = mean training loss of the last `--tail` steps (one step's loss is noisy);
-- ratio = swarm final loss / reference final loss; the goal is within 2% (no codec) and 3% (int8);
+- ratio = swarm final loss / reference final loss; the goal is at most 1.02 (no codec) and 1.03 (int8);
 - val loss = the last validation pass of each run, right after its last step: the loss of the model
   the run produced on `--eval-batches` held-out micro-batches, the same for both runs (DiLoCo, when
   the steps are a multiple of H: the outer weights, what `swarm export` takes; the training loss
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> str:
         ref, ours = final_loss(local, args.tail), final_loss(records, args.tail)
         ratio = ours / ref
         goal = GOALS.get(codec, 0.03) if compression == "none" else 0.03
-        met = "met" if abs(ratio - 1) <= goal else "not met"
+        met = "met" if ratio <= 1 + goal else "not met"  # a loss below the reference's is no miss
         vals = (last_val(local), last_val(records))
         val_ratio = vals[1] / vals[0] if all(vals) else None
         if val_ratio is not None:
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> str:
                 )
             )
             met = f"training loss {met}, final model's held-out loss{on} " + (
-                "met" if abs(val_ratio - 1) <= goal else "not met"
+                "met" if val_ratio <= 1 + goal else "not met"
             )
         per_param = moved / params / args.steps
         rows.append(
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> str:
                     f"{wall / args.steps:.2f}",
                     f"{per_param:.2f}",
                     f"{per_param / tokens:.2e}",
-                    f"goal within {goal:.0%}: {met}; final loss = mean of the last {args.tail} steps; "
+                    f"goal ratio <= {1 + goal:.2f}: {met}; final loss = mean of the last {args.tail} steps; "
                     + (f"val ratio {val_ratio:.4f} on {args.eval_batches} batches; " if val_ratio else "")
                     + f"{moved / 1e6:.1f} MB averaged over {params:,} parameters; "
                     f"matchmaking {args.matchmaking} s, loopback, 1 torch thread per peer",
