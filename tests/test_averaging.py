@@ -610,8 +610,12 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
         # so `swarm export`) reads stays the stage's outer weights, of the last outer step, on each.
         swarm.train(1)
         swarm.finish_training()
-        s = state(swarm.url)
-        assert max(peer_record(s, n)["optimizer_steps"] for n in ("a1", "b1", "late1")) == steps + 1
+        # The trainer is done once its last backward is answered; a replica's step and record come after.
+        s = wait_for_state(
+            swarm.url,
+            lambda s: max(peer_record(s, n)["optimizer_steps"] for n in ("a1", "b1", "late1")) == steps + 1,
+            timeout=60,
+        )
         for name in ("a1", "b1", "late1"):
             step, tensors = parameters(swarm.url, run, peer_record(s, name))
             assert step == steps and max_difference(tensors, held["a1"][1]) <= 1e-6, name
