@@ -185,13 +185,9 @@ def run(args: argparse.Namespace) -> str:
         vals = (last_val(local), last_val(records))
         val_ratio = vals[1] / vals[0] if all(vals) else None
         if val_ratio is not None:
-            on = (
-                ""
-                if mode == "gradients"
-                else (
-                    " (outer weights)" if args.steps % settings["inner_steps"] == 0 else " (inner weights, mid-phase)"
-                )
-            )
+            on = ""  # DiLoCo: which weights the last validation pass ran on
+            if mode != "gradients":
+                on = " (outer weights)" if args.steps % settings["inner_steps"] == 0 else " (inner weights, mid-phase)"
             met = f"training loss {met}, final model's held-out loss{on} " + (
                 "met" if val_ratio <= 1 + goal else "not met"
             )

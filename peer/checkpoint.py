@@ -136,24 +136,9 @@ class Snapshot:
             if self.weights[name].shape != p.shape:
                 raise CheckpointError(f"{name}: shape {list(self.weights[name].shape)}, expected {list(p.shape)}")
         state = _join_tensors(self.optimizer_layout, self.optimizer_tensors)
-        targets = [("optimizer", optimizer, state)]
+        loads = [(optimizer, _fitted(state, optimizer, "optimizer"))]
         if outer is not None and "outer" in state:
-            targets.append(("outer optimizer", outer, state["outer"]))
-        loads = []
-        for what, opt, saved in targets:
-            try:
-                groups = zip(saved["param_groups"], opt.param_groups, strict=True)
-                loads.append(
-                    (
-                        opt,
-                        {
-                            "state": {int(k): v for k, v in saved["state"].items()},
-                            "param_groups": [_tuples_like(g, live) for g, live in groups],
-                        },
-                    )
-                )
-            except (KeyError, TypeError, ValueError, AttributeError) as err:
-                raise CheckpointError(f"{what} state does not fit this stage's {what}: {err}") from None
+            loads.append((outer, _fitted(state["outer"], outer, "outer optimizer")))
         for opt, loaded in loads:
             try:
                 opt.load_state_dict(loaded)
@@ -162,6 +147,18 @@ class Snapshot:
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(self.weights[name])
+
+
+def _fitted(saved: dict, opt: torch.optim.Optimizer, what: str) -> dict:
+    """A saved optimizer state_dict put in the form `opt.load_state_dict` takes, or CheckpointError."""
+    try:
+        groups = zip(saved["param_groups"], opt.param_groups, strict=True)
+        return {
+            "state": {int(k): v for k, v in saved["state"].items()},
+            "param_groups": [_tuples_like(g, live) for g, live in groups],
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{what} state does not fit this stage's {what}: {err}") from None
 
 
 def _tuples_like(saved: dict, live: dict) -> dict:
