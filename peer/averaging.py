@@ -59,6 +59,7 @@ from functools import partial
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.optim.grad_averager import GradientAverager
@@ -98,6 +99,9 @@ log = logging.getLogger("swarm.averaging")
 # waited for in the all-reduce (a live one answers in milliseconds on a LAN, well under 1 s over the
 # internet).
 PING_TIMEOUT_S = 1.0
+
+# The group key of a step's all-reduce carries the step, in this many bits (`step_bits`).
+STEP_KEY_BITS = 24
 
 
 def grads_finite(module: torch.nn.Module) -> bool:
@@ -564,10 +568,14 @@ class PartnerWatch:
 
     WATCH_PERIOD_S = 0.5
 
-    def __init__(self, opt: hivemind.Optimizer, partners: dict[bytes, bool], stall_s: float | None = None):
+    def __init__(
+        self, opt: hivemind.Optimizer, partners: dict[bytes, bool], stall_s: float | None = None, step: int | None = None
+    ):
         """`partners`: peer id -> whether it is in client mode (`live_partners`); `stall_s`: the
-        longest a round may run (None: up to hivemind's averaging_timeout_s)."""
-        self.opt, self.partners, self.stall_s = opt, partners, stall_s
+        longest a round may run (None: up to hivemind's averaging_timeout_s); `step`: the step the
+        round is for (its group key: `step_bits`), when a round still looking for a group should end
+        once every partner has moved past it (nobody is left to join it)."""
+        self.opt, self.partners, self.stall_s, self.step = opt, partners, stall_s, step
         self.pingable = [p for p, client in partners.items() if not client]
         self.cancelled: str | None = None  # why this watch cancelled the round, if it did
         self.stop = threading.Event()
@@ -593,7 +601,10 @@ class PartnerWatch:
             stalled = self.stall_s is not None and time.monotonic() - started > self.stall_s
             control = self.opt.scheduled_grads
             # Only a round that began: hivemind cancels one it did not begin itself.
-            if not (alone or stalled) or control is None or not control.triggered or control.done():
+            if control is None or not control.triggered or control.done():
+                continue
+            passed = not (alone or stalled) and self._passed(control)
+            if not (alone or stalled or passed):
                 continue
             if self.stop.is_set():
                 return
@@ -601,9 +612,34 @@ class PartnerWatch:
                 control.cancel()
             if alone:
                 self.cancelled = "the replicas this step averages with stopped answering"
+            elif passed:
+                self.cancelled = f"the other replicas moved past step {self.step} before it found a group"
             else:
                 self.cancelled = f"its all-reduce ran over {self.stall_s:.1f} s"
             log.warning(f"{self.cancelled}: this replica steps with its own gradient")
+
+    def _passed(self, control) -> bool:
+        """The round is still looking for a group and every partner reports a later step: no replica
+        is left to join it (its key names this step), and it would wait out the stall bound."""
+        if self.step is None or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+            return False
+        reports = tracked_partners(self.opt)
+        steps = [reports[p].get("epoch") for p in self.partners if p in reports]
+        return bool(steps) and len(steps) == len(self.partners) and all(
+            isinstance(s, int) and s > self.step for s in steps
+        )
+
+
+def step_bits(step: int) -> str:
+    """The group bits of the all-reduce that takes a stage from `step` to the next. hivemind's
+    matchmaking groups the averagers whose keys match, and its key (the prefix and these bits) says
+    nothing of the step on its own; its Optimizer lets a replica one step behind the stage step, so a
+    replica still in the round of step k (it saw the stage's batch complete just as the others left
+    that round) joined their round of step k + 1: it applied their gradient of step k + 1 to its
+    weights of step k and missed theirs of step k, and the replicas drifted apart until the digests
+    caught it (a 2 x 2 swarm on 2 loaded CPU cores, its stage-1 replicas one step apart three times
+    in six steps). With the step in the key, a round only ever averages replicas at one step."""
+    return format(step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b")
 
 
 def _reporter(item) -> bytes | None:
@@ -985,7 +1021,8 @@ class SwarmUpdater:
         reduced = self.opt.grad_averager.reduced_bytes.value
         self.norms.step = before
         started = time.perf_counter()
-        with PartnerWatch(self.opt, partners, self._stall_s()):
+        self.opt.grad_averager.set_group_bits(step_bits(before))
+        with PartnerWatch(self.opt, partners, self._stall_s(), step=before):
             self.opt.step(batch_size=self.declared(pending))
         if self.epoch != before + 1:
             # No step: the tracker's view changed between the check and the step (a fetch landed),

@@ -14,10 +14,12 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
@@ -663,6 +665,49 @@ def test_a_round_closes_once_every_live_replica_joined_not_at_the_end_of_matchma
         for replica in (a, b):
             assert replica.last_step["group"] == 2, replica.last_step
             assert replica.last_step["s"] - replica.norms.waited < 5.0, replica.last_step
+    finally:
+        stage.close()
+
+
+def test_a_replica_still_in_the_round_of_a_step_does_not_average_with_the_others_next_step(tmp_path, caplog):
+    """Replica a is in the round of step 0 (its batch is complete; b, live, has not joined) when b moves
+    past step 0 without it and takes step 1. hivemind's matchmaking knows no steps: a joined b's round
+    of step 1, applying b's step-1 gradient to its step-0 weights. Now each round's group key names
+    its step: a's round of step 0 ends as soon as a sees b past it, with a's own gradient, and no
+    round holds both."""
+    from tests.test_diloco import gradient, see_each_other, serve, wait_ready  # it imports this module
+
+    caplog.set_level(logging.WARNING, logger="swarm.averaging")
+    # a's round waits up to the matchmaking time for b to join.
+    extra = "\n[averaging]\nmatchmaking_time_s = 5.0\nrequest_timeout_s = 0.3\naveraging_timeout_s = 8.0\n"
+    _, run = config_with(tmp_path, extra + "sync_timeout_s = 1.0\n")
+    stage, batch = StageOne(run), run.training.global_batch
+    try:
+        a = stage.replica(stage.node(stage=1))
+        b = stage.replica(stage.node(stage=1))
+        serve(a, gradient(run, 1), batch)
+        b.opt.tracker.report_local_progress(b.epoch, 1)  # as serving does
+        see_each_other([a, b])
+        deadline = time.monotonic() + 30
+        while a.opt.tracker.global_progress.num_peers < 2:  # else hivemind begins no round
+            assert time.monotonic() < deadline, "a's tracker never counted b"
+            time.sleep(0.05)
+        wait_ready(a, batch)
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(step_until_taken, a, batch, 60)
+            deadline = time.monotonic() + 30
+            while (control := a.opt.scheduled_grads) is None or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                assert time.monotonic() < deadline and not first.done(), f"a's round never began: {a.last_step}"
+                time.sleep(0.02)
+            b.skip_to(1)  # b left step 0 without a (as after a round of its own)
+            serve(b, gradient(run, 2), batch)
+            wait_ready(b, batch)
+            assert step_until_taken(b, batch, 60) == batch
+            assert first.result() == batch
+        assert (a.epoch, b.epoch) == (1, 2)
+        assert a.last_step["step"] == 0 and a.last_step["group"] == 1, a.last_step
+        assert b.last_step["step"] == 1 and b.last_step["group"] == 1, b.last_step
+        assert any("moved past step 0" in m for m in caplog.messages), caplog.messages
     finally:
         stage.close()
 
