@@ -569,7 +569,11 @@ class PartnerWatch:
     WATCH_PERIOD_S = 0.5
 
     def __init__(
-        self, opt: hivemind.Optimizer, partners: dict[bytes, bool], stall_s: float | None = None, step: int | None = None
+        self,
+        opt: hivemind.Optimizer,
+        partners: dict[bytes, bool],
+        stall_s: float | None = None,
+        step: int | None = None,
     ):
         """`partners`: peer id -> whether it is in client mode (`live_partners`); `stall_s`: the
         longest a round may run (None: up to hivemind's averaging_timeout_s); `step`: the step the
@@ -625,8 +629,10 @@ class PartnerWatch:
             return False
         reports = tracked_partners(self.opt)
         steps = [reports[p].get("epoch") for p in self.partners if p in reports]
-        return bool(steps) and len(steps) == len(self.partners) and all(
-            isinstance(s, int) and s > self.step for s in steps
+        return (
+            bool(steps)
+            and len(steps) == len(self.partners)
+            and all(isinstance(s, int) and s > self.step for s in steps)
         )
 
 
