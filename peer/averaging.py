@@ -1027,7 +1027,8 @@ class SwarmUpdater:
         reduced = self.opt.grad_averager.reduced_bytes.value
         self.norms.step = before
         started = time.perf_counter()
-        self.opt.grad_averager.set_group_bits(step_bits(before))
+        # Not waited for, as `cap` and `expect`: the averager takes its calls in order, the round after it.
+        self.opt.grad_averager.set_group_bits(step_bits(before), wait=False)
         with PartnerWatch(self.opt, partners, self._stall_s(), step=before):
             self.opt.step(batch_size=self.declared(pending))
         if self.epoch != before + 1:
