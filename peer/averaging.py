@@ -308,6 +308,21 @@ class CappedAverages:
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
 
+    def for_step(self, step: int) -> None:
+        """The next rounds are those of `step`: their group key names it (`step_bits`). Not waited for,
+        as `cap` and `expect`: the averager takes its calls in order, so the key is set before the
+        round's matchmaking begins."""
+        self._outer_pipe.send(("_set_step_key", [step_bits(step)], {}))
+
+    async def _set_step_key(self, bits: str) -> None:
+        keys = self._matchmaking.group_key_manager
+        keys.group_bits = bits
+        # hivemind moves a key's bits on once a group assembles, each member by its own index, to
+        # spread a large swarm's averagers over buckets (a stage's few replicas never need that): a
+        # retry of the step's round after a failed all-reduce would look under a key of its own,
+        # apart from its partners. The key stays the step's.
+        keys.update_key_on_group_assembled = _keep_key
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(
@@ -646,6 +661,10 @@ def step_bits(step: int) -> str:
     caught it (a 2 x 2 swarm on 2 loaded CPU cores, its stage-1 replicas one step apart three times
     in six steps). With the step in the key, a round only ever averages replicas at one step."""
     return format(step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b")
+
+
+async def _keep_key(group_info) -> None:
+    """A group key manager's `update_key_on_group_assembled` that keeps the key (`_set_step_key`)."""
 
 
 def _reporter(item) -> bytes | None:
@@ -1027,8 +1046,7 @@ class SwarmUpdater:
         reduced = self.opt.grad_averager.reduced_bytes.value
         self.norms.step = before
         started = time.perf_counter()
-        # Not waited for, as `cap` and `expect`: the averager takes its calls in order, the round after it.
-        self.opt.grad_averager.set_group_bits(step_bits(before), wait=False)
+        self.opt.grad_averager.for_step(before)
         with PartnerWatch(self.opt, partners, self._stall_s(), step=before):
             self.opt.step(batch_size=self.declared(pending))
         if self.epoch != before + 1:

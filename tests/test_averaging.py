@@ -33,6 +33,7 @@ from peer.averaging import (
     drop_grads,
     grads_finite,
     live_partners,
+    step_bits,
     tracked_partners,
 )
 from peer.options import Faults
@@ -665,6 +666,9 @@ def test_a_round_closes_once_every_live_replica_joined_not_at_the_end_of_matchma
         for replica in (a, b):
             assert replica.last_step["group"] == 2, replica.last_step
             assert replica.last_step["s"] - replica.norms.waited < 5.0, replica.last_step
+            # The round's key named its step, and stays so once the group assembled (hivemind would move
+            # each member's bits on by its index: a retry of the round would look apart from its partner).
+            assert replica.opt.grad_averager.get_group_bits() == step_bits(0)
     finally:
         stage.close()
 
