@@ -587,13 +587,13 @@ class PartnerWatch:
         self,
         opt: hivemind.Optimizer,
         partners: dict[bytes, bool],
+        step: int,
         stall_s: float | None = None,
-        step: int | None = None,
     ):
-        """`partners`: peer id -> whether it is in client mode (`live_partners`); `stall_s`: the
-        longest a round may run (None: up to hivemind's averaging_timeout_s); `step`: the step the
-        round is for (its group key: `step_bits`), when a round still looking for a group should end
-        once every partner has moved past it (nobody is left to join it)."""
+        """`partners`: peer id -> whether it is in client mode (`live_partners`); `step`: the step the
+        round is for (its group key: `step_bits`): a round still looking for a group ends once every
+        partner has moved past it (nobody is left to join it); `stall_s`: the longest a round may run
+        (None: up to hivemind's averaging_timeout_s)."""
         self.opt, self.partners, self.stall_s, self.step = opt, partners, stall_s, step
         self.pingable = [p for p, client in partners.items() if not client]
         self.cancelled: str | None = None  # why this watch cancelled the round, if it did
@@ -640,15 +640,11 @@ class PartnerWatch:
     def _passed(self, control) -> bool:
         """The round is still looking for a group and every partner reports a later step: no replica
         is left to join it (its key names this step), and it would wait out the stall bound."""
-        if self.step is None or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+        if control.stage != AveragingStage.LOOKING_FOR_GROUP:
             return False
         reports = tracked_partners(self.opt)
         steps = [reports[p].get("epoch") for p in self.partners if p in reports]
-        return (
-            bool(steps)
-            and len(steps) == len(self.partners)
-            and all(isinstance(s, int) and s > self.step for s in steps)
-        )
+        return len(steps) == len(self.partners) and all(isinstance(s, int) and s > self.step for s in steps)
 
 
 def step_bits(step: int) -> str:
@@ -1047,7 +1043,7 @@ class SwarmUpdater:
         self.norms.step = before
         started = time.perf_counter()
         self.opt.grad_averager.for_step(before)
-        with PartnerWatch(self.opt, partners, self._stall_s(), step=before):
+        with PartnerWatch(self.opt, partners, before, self._stall_s()):
             self.opt.step(batch_size=self.declared(pending))
         if self.epoch != before + 1:
             # No step: the tracker's view changed between the check and the step (a fetch landed),
