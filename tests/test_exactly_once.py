@@ -183,7 +183,8 @@ def test_gradients_that_die_with_a_killed_peer_are_counted_lost_and_none_before_
         for name, stage in (("a0", 0), ("b1", 1), ("v1", 1)):
             swarm.add_peer(name, stage)
         swarm.wait_online(["a0", "b1", "v1"])
-        steps = 9
+        steps = 12  # room for the kill (a record fresh enough to say "held" came as late as step 6); 13 full
+        # steps of 256 samples are all the embedded data gives one trainer
         swarm.train(steps, 4, 20)
         swarm.wait_steps(3)  # steps settled before the kill, to count too
         victim_log = tmp_path / "v1.steps"

@@ -14,7 +14,10 @@ from tests.conftest import run_cli
 from tests.processes import start_peer, wait_for_state
 from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
 
-STEPS = 8
+# Long enough for the hostile peer's second strike: after its first bad answer it gets no backward, falls
+# behind its stage, and refuses work (and is banned again) until the records show the stage's step and it
+# loads the stage's state; a run of 8 steps (3 s) once ended before it was asked again.
+STEPS = 20
 STRIKES = 2  # tiny.toml leaves verify.strikes at its default
 
 
