@@ -267,14 +267,15 @@ def test_two_trainers_on_one_run_train_disjoint_windows(tmp_path: Path):
         print(f"trainer a read shards {sorted(shards_a)}, trainer b {sorted(shards_b)}")
         # The stages step every global batch of samples, from either trainer, and each trainer names
         # the step the stages reached: its steps rise, by more than one where the other's samples
-        # completed a step, so the run ends past the 12 steps that either trained alone.
+        # completed a step, so the run ends past the 12 steps that either trained alone (step 11). How far
+        # past depends on how the two overlapped (a run under load ended at step 15).
         steps = {
             n: [json.loads(line)["step"] for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()] for n in "ab"
         }
         for name, s in steps.items():
             assert len(s) == 12 and all(x < y for x, y in zip(s, s[1:], strict=False)), (name, s)
         print(f"steps of trainer a: {steps['a']}, of trainer b: {steps['b']}")
-        assert max(s[-1] for s in steps.values()) >= 16, steps
+        assert max(s[-1] for s in steps.values()) > 11, steps
     finally:
         stop_all(procs)
 
