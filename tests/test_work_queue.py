@@ -112,6 +112,35 @@ def test_batched_forwards_give_each_request_its_own_result():
         worker.close()
 
 
+def test_training_forwards_that_came_together_each_keep_their_graph_for_their_backward():
+    """Three training forwards of the first stage, queued together and taken as one batch: each keeps a
+    graph of its own, its backward runs on that graph (nothing recomputed), and the stage's gradient is
+    the one the three would give served one by one."""
+    run = load_config(CONFIGS / "tiny.toml")
+    worker = StageWorker(run, 0, torch.device("cpu"))
+    reference = StageWorker(run, 0, torch.device("cpu"))
+    reference.stage.load_state_dict(worker.stage.state_dict())
+    try:
+        torch.manual_seed(2)
+        tokens = {k: torch.randint(0, run.model.vocab_size, (2, 16)) for k in "abc"}
+        grad = {k: torch.randn(2, 16, run.model.d_model) for k in "abc"}
+        worker.lock.acquire()  # hold the compute thread so the three requests queue up together
+        futures = {k: worker.submit(ForwardWork(tokens[k], None, True, 0.0, k, 0)) for k in "abc"}
+        worker.lock.release()
+        outs = {k: f.result(timeout=30).output for k, f in futures.items()}
+        cached = {k: worker.claim_cached(k) for k in "abc"}
+        assert all(cached.values()), cached
+        for k in "abc":
+            assert worker.submit(BackwardWork(None, grad[k], k, 0, (2, 16), cached=cached[k])).result(timeout=30) is None
+            assert torch.allclose(outs[k], reference.stage(tokens[k]), atol=1e-5)
+            reference.stage(tokens[k]).backward(grad[k])
+        assert worker.stepper.pending_ids == list("abc")
+        assert_same_grads(worker.stage, reference.stage, atol=1e-5)
+    finally:
+        worker.close()
+        reference.close()
+
+
 def leaves_during_compute():
     """An `active` callable of a caller that waits when its work is taken and has left by the time
     the work is done (its call timed out, or the worker's process was frozen meanwhile)."""
