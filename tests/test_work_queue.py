@@ -131,7 +131,8 @@ def test_training_forwards_that_came_together_each_keep_their_graph_for_their_ba
         cached = {k: worker.claim_cached(k) for k in "abc"}
         assert all(cached.values()), cached
         for k in "abc":
-            assert worker.submit(BackwardWork(None, grad[k], k, 0, (2, 16), cached=cached[k])).result(timeout=30) is None
+            backward = BackwardWork(None, grad[k], k, 0, (2, 16), cached=cached[k])
+            assert worker.submit(backward).result(timeout=30) is None  # the first stage has no input gradient
             assert torch.allclose(outs[k], reference.stage(tokens[k]), atol=1e-5)
             reference.stage(tokens[k]).backward(grad[k])
         assert worker.stepper.pending_ids == list("abc")
