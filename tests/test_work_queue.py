@@ -112,18 +112,30 @@ def test_batched_forwards_give_each_request_its_own_result():
         worker.close()
 
 
+def twin_first_stages(run) -> tuple[StageWorker, StageWorker]:
+    """A first-stage worker and a reference worker with the same weights."""
+    worker = StageWorker(run, 0, torch.device("cpu"))
+    reference = StageWorker(run, 0, torch.device("cpu"))
+    reference.stage.load_state_dict(worker.stage.state_dict())
+    return worker, reference
+
+
+def first_stage_work(run, names: str, seed: int) -> tuple[dict, dict]:
+    """Token ids and output gradients of a first-stage microbatch of 2 x 16 per name."""
+    torch.manual_seed(seed)
+    tokens = {k: torch.randint(0, run.model.vocab_size, (2, 16)) for k in names}
+    grad = {k: torch.randn(2, 16, run.model.d_model) for k in names}
+    return tokens, grad
+
+
 def test_training_forwards_that_came_together_each_keep_their_graph_for_their_backward():
     """Three training forwards of the first stage, queued together and taken as one batch: each keeps a
     graph of its own, its backward runs on that graph (nothing recomputed), and the stage's gradient is
     the one the three would give served one by one."""
     run = load_config(CONFIGS / "tiny.toml")
-    worker = StageWorker(run, 0, torch.device("cpu"))
-    reference = StageWorker(run, 0, torch.device("cpu"))
-    reference.stage.load_state_dict(worker.stage.state_dict())
+    worker, reference = twin_first_stages(run)
     try:
-        torch.manual_seed(2)
-        tokens = {k: torch.randint(0, run.model.vocab_size, (2, 16)) for k in "abc"}
-        grad = {k: torch.randn(2, 16, run.model.d_model) for k in "abc"}
+        tokens, grad = first_stage_work(run, "abc", 2)
         worker.lock.acquire()  # hold the compute thread so the three requests queue up together
         futures = {k: worker.submit(ForwardWork(tokens[k], None, True, 0.0, k, 0)) for k in "abc"}
         worker.lock.release()
@@ -204,13 +216,9 @@ def test_a_recorded_forward_whose_partner_left_is_run_again_from_its_input():
     compute. The other's graph is spent by then: it is recomputed from its recorded input, and the
     stage's gradient is the stayer's alone, added to what was accumulated before."""
     run = load_config(CONFIGS / "tiny.toml")
-    worker = StageWorker(run, 0, torch.device("cpu"))
-    reference = StageWorker(run, 0, torch.device("cpu"))
-    reference.stage.load_state_dict(worker.stage.state_dict())
+    worker, reference = twin_first_stages(run)
     try:
-        torch.manual_seed(1)
-        tokens = {k: torch.randint(0, run.model.vocab_size, (2, 16)) for k in "pab"}
-        grad = {k: torch.randn(2, 16, run.model.d_model) for k in "pab"}
+        tokens, grad = first_stage_work(run, "pab", 1)
         # Something accumulated before, which must stay.
         worker.submit(BackwardWork(tokens["p"], grad["p"], "p", 0, (2, 16))).result(timeout=30)
         for k in "ab":
