@@ -530,6 +530,28 @@ def test_work_after_a_round_that_left_a_live_partner_out_waits_until_the_digests
         assert waited >= ReplicaCheck.WAIT_S, f"work was let through {waited:.2f} s after the lone step"
 
 
+def test_work_after_a_lone_round_goes_on_once_the_partner_it_waited_for_is_dead(tmp_path):
+    """As above, but the partner dies after the round (SIGKILL of its process group; its progress
+    report stays in the DHT until it expires): no digest will come, these weights are the stage's, and
+    work goes on at once instead of ReplicaCheck.WAIT_S after the step. Waiting it out stalled the
+    trainer about 5 s after one peer of a 2 x 2 swarm was killed mid-round."""
+    with replica_and_idle_partner(tmp_path) as (a, idle):
+        a.rounds.extend([0.2, 0.2, 0.2])
+        timed_step(a)
+        assert a.last_step["group"] == 1 and a.settling()
+        os.killpg(idle.pid, signal.SIGKILL)
+        idle.wait()
+        assert tracked_partners(a.opt), "the dead partner's report expired already: nothing was tested"
+        weights = [p.detach().clone() for p in a.module.parameters()]
+        stepper = Stepper(a.run, 1, a.module, a, threading.Lock(), lambda: False, lambda: None)
+        stepper.catch_up(a.epoch)
+        waited = time.monotonic() - a.check.published_at
+        assert not a.settling() and a.check.settled
+        assert waited < ReplicaCheck.WAIT_S - 1, f"work waited {waited:.2f} s after the lone step for a dead partner"
+        # Nothing was loaded: the lone replica's weights are the stage's.
+        assert all(torch.equal(w, p) for w, p in zip(weights, a.module.parameters(), strict=True))
+
+
 def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_report_expires(tmp_path):
     """The partner's whole process group is killed; its progress report stays in the DHT until it
     expires. The replica steps alone at once, and hivemind's tracker, fetching again and again, does not
