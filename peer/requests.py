@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -17,6 +18,9 @@ from swarm.config import RunConfig
 from swarm.records import MAX_STEP  # the highest global step a request may name
 from swarm.rpc import pb
 from swarm.wire import FLOAT_DTYPES, WireError, all_finite, check, decode
+
+if TYPE_CHECKING:
+    from peer.worker import WeightsAt
 
 MAX_ID_LENGTH = 128
 
@@ -150,6 +154,7 @@ class ForwardWork:
     step: int
     check: bool = False  # last stage, not train: loss and input gradient, no gradient kept (a spot check)
     caller: str = ""  # who sent it (`caller_of`): the only one who may retract its gradient
+    delayed: bool = False  # a delayed-updates trainer's: its backward may run on the weights before a step
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -163,6 +168,8 @@ class CachedForward:
     inputs: torch.Tensor
     output: torch.Tensor
     version: int  # the worker's weights version when it was recorded (StageWorker.weights_version)
+    weights: WeightsAt | None = None  # the weights the graph saw: a delayed forward's outlive a step
+    delayed: bool = False  # the forward's caller trains with delayed updates (ForwardRequest.delayed)
 
 
 @dataclass
@@ -191,13 +198,15 @@ def parse_forward(req: pb.ForwardRequest, shape: StageShape) -> ForwardWork:
         raise invalid("targets: required for a training forward on the last stage")
     if req.check and (req.train or targets is None):
         raise invalid("check: only for a last-stage forward with targets and train=false")
+    if req.delayed and (not req.train or shape.is_last):
+        raise invalid(f"delayed: only for a training forward of a stage before the last ({shape.run.stages.count - 1})")
     scale = req.loss_scale
     if (req.train or req.check) and shape.is_last:
         if scale == 0.0:
             scale = x.shape[0] / shape.run.training.global_batch
         if not (0.0 < scale <= 1.0):
             raise invalid(f"loss_scale: {scale} outside (0, 1]")
-    return ForwardWork(x, targets, req.train, scale, req.microbatch_id, req.step, check=req.check)
+    return ForwardWork(x, targets, req.train, scale, req.microbatch_id, req.step, check=req.check, delayed=req.delayed)
 
 
 def parse_backward(

@@ -69,7 +69,8 @@ def serve_stage(
     worker.close()
     peak = f", peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**20:.0f} MiB" if dev.type == "cuda" else ""
     print(
-        f"stage {stage}: stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps{peak}",
+        f"stage {stage}: stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps{peak} "
+        f"({worker.time_use()})",
         flush=True,
     )
     return 0

@@ -213,13 +213,15 @@ class Stepper:
         invalidate: Callable[[], None],
         step_log: Path | None = None,
         checkpoints: CheckpointWriter | None = None,
+        before_step: Callable[[], None] = lambda: None,
     ):
         """`lock` guards the weights and gradients (shared with the compute); `stopped` says the worker
         is closing (a catch-up stops waiting); `invalidate` is called when the weights change, so that
-        forward graphs recorded before are not used; `step_log` gets one JSON line per step naming the
-        microbatches it applied; `checkpoints` saves the stage's state every so many steps."""
+        forward graphs recorded before are not used (`before_step`, called under the lock before the
+        updater steps, may copy the weights some of them still need); `step_log` gets one JSON line per
+        step naming the microbatches it applied; `checkpoints` saves the stage's state every so many steps."""
         self.run, self.stage_index, self.module, self.updater = run, stage_index, module, updater
-        self.lock, self.stopped, self.invalidate = lock, stopped, invalidate
+        self.lock, self.stopped, self.invalidate, self.before_step = lock, stopped, invalidate, before_step
         self.step_log, self.checkpoints = step_log, checkpoints
         self.pending_ids: list[str] = []  # microbatches accumulated since the last step
         self.samples_served = 0  # samples whose gradients were accumulated
@@ -417,6 +419,7 @@ class Stepper:
         """Take the stage's step, if the updater does. Under the lock (the work served while the step
         waits runs on the step's behalf, under the same hold: `stepping`)."""
         before = self.optimizer_steps
+        self.before_step()
         self.stepping = aside = Aside(before + 1)
         try:
             used = self.updater.step(self.samples_pending, force=force)

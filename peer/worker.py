@@ -8,6 +8,11 @@ hands results back. Encoding and decoding stay in the gRPC threads, so they over
 Backward is stateless: it recomputes the forward from the input it is given. A short-lived cache
 keeps the autograd graph of each training forward (one graph per request, also when requests came
 together), so that when the same peer also gets the matching backward the recompute is skipped.
+A graph is used at the weights it was recorded on. The stage's step changes the weights in place, so
+a graph recorded before it is dropped, but for a trainer with delayed updates (`delayed`): the
+weights are copied before the step (`WeightsAt`), and its backward runs on the graph as recorded, a
+gradient one step stale that counts toward the next step, as SWARM's delayed parameter updates have
+it, instead of running the forward again on the new weights.
 
 A spot check's answer (`check`: a last-stage forward's loss and input gradient, a backward's input
 gradient) is computed as a training call's would be, and keeps no gradient. A training call's
@@ -55,6 +60,49 @@ class ForwardResult:
     input_grad: torch.Tensor | None = None
 
 
+@dataclass
+class _SavedWeight:
+    """A weight (or a view of one) that a recorded graph saved for its backward."""
+
+    index: int
+    tensor: torch.Tensor
+
+
+class WeightsAt:
+    """The stage's trainable weights at one version (`StageWorker.weights_version`), as graphs
+    recorded on them see them: the parameters themselves until the weights are about to change, a
+    copy from then on (`keep`). Graphs are recorded under its `hooks`, which save a weight by
+    reference and hand the copy back in backward once there is one: autograd would otherwise refuse
+    the backward (the step changed a saved tensor in place) or, with no check, use the new weights."""
+
+    def __init__(self, version: int, params: list[torch.Tensor]):
+        self.version, self.params = version, params
+        self._storages = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
+        self.kept: list[torch.Tensor] | None = None
+
+    def keep(self) -> None:
+        """Copy the weights as they are now; before they change in place. Under the worker's lock."""
+        if self.kept is None:
+            with torch.no_grad():
+                # Whole storages, flat: a saved view is rebuilt with its own size, stride and offset.
+                self.kept = [p.new_empty(0).set_(p.untyped_storage().clone()) for p in self.params]
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | _SavedWeight:
+        index = self._storages.get(t.untyped_storage().data_ptr())
+        return t if index is None else _SavedWeight(index, t)
+
+    def _unpack(self, saved: torch.Tensor | _SavedWeight) -> torch.Tensor:
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        t = saved.tensor
+        if self.kept is None:
+            return t
+        return self.kept[saved.index].as_strided(t.size(), t.stride(), t.storage_offset())
+
+
 class ForwardCache:
     """The recorded graphs of training forwards, newest last, at most `size` of them."""
 
@@ -70,14 +118,29 @@ class ForwardCache:
                 self.entries.popitem(last=False)
 
     def claim(self, microbatch_id: str, version: int) -> CachedForward | None:
-        """Take this microbatch's recorded forward, if it is still here and recorded at `version`."""
+        """Take this microbatch's recorded forward, if it is still here and usable at `version`."""
         with self.lock:
             entry = self.entries.pop(microbatch_id, None)
-        return entry if entry is not None and entry.version == version else None
+        return entry if entry is not None and usable(entry, version) else None
 
-    def clear(self) -> None:
+    def holds_delayed(self, version: int) -> bool:
+        """Whether a delayed trainer's graph recorded at `version` is here."""
         with self.lock:
-            self.entries.clear()
+            return any(e.delayed and e.version == version for e in self.entries.values())
+
+    def keep_usable(self, version: int) -> None:
+        """Drop the graphs that cannot be used at `version` (the weights changed)."""
+        with self.lock:
+            for mb_id in [m for m, e in self.entries.items() if not usable(e, version)]:
+                del self.entries[mb_id]
+
+
+def usable(entry: CachedForward, version: int) -> bool:
+    """A recorded graph can serve its backward at weights `version`: it was recorded at that version,
+    or it is a delayed trainer's recorded one step before, on weights copied before they changed."""
+    if entry.version == version:
+        return True
+    return entry.delayed and entry.version == version - 1 and entry.weights.kept is not None
 
 
 class ServiceTimes:
@@ -123,11 +186,14 @@ class StageWorker:
         self.updater = make_updater(run, stage, self.stage, dht, idle=self._serve_aside, declared=faults.declared)
         self.queue = WorkQueue()
         self.busy_s = 0.0  # time the compute thread spent serving batches
+        self.recomputed = 0  # samples whose training backward ran their forward again (no graph of it kept)
+        self.stale_backwards = 0  # samples whose backward ran on a graph recorded before a step (delayed)
         self.lock = threading.Lock()  # held while parameters or gradients change
         self.cache = ForwardCache(run.serve.cache_size if cache_size is None else cache_size)
         # Goes up whenever the weights change (a step, a skip, or the stage's state or a checkpoint
         # loaded in place): a recorded forward is used only at the version it was recorded at.
         self.weights_version = 0
+        self.weights = self._weights_at(0)
         # The requests of the gradients kept lately, by microbatch id, for `retract` (the newest last).
         self.retractable: collections.OrderedDict[str, ForwardWork | BackwardWork] = collections.OrderedDict()
         self.retractable_size = max(16, 4 * run.training.accumulation)
@@ -139,6 +205,7 @@ class StageWorker:
             self.lock,
             stopped=lambda: self.queue.closed,
             invalidate=self._weights_changed,
+            before_step=self._keep_weights,
             step_log=faults.log_steps,
             checkpoints=checkpoints,
         )
@@ -217,15 +284,28 @@ class StageWorker:
 
     def time_use(self) -> str:
         """How the compute thread spent its time: serving work, and waiting for the stage's steps."""
-        return f"{self.busy_s:.1f} s serving, {self.stepper.waited_s:.1f} s waiting for steps"
+        return (
+            f"{self.busy_s:.1f} s serving, {self.stepper.waited_s:.1f} s waiting for steps, "
+            f"{self.recomputed} samples' forwards recomputed in backward, "
+            f"{self.stale_backwards} backward on the weights before a step"
+        )
 
     def claim_cached(self, microbatch_id: str) -> CachedForward | None:
-        """Take this microbatch's recorded forward, if it is still here and still current."""
+        """Take this microbatch's recorded forward, if it is still here and still usable."""
         return self.cache.claim(microbatch_id, self.weights_version)
+
+    def _weights_at(self, version: int) -> WeightsAt:
+        return WeightsAt(version, [p for p in self.stage.parameters() if p.requires_grad])
+
+    def _keep_weights(self) -> None:
+        """Before the stage's step: copy the weights that delayed trainers' recorded graphs still need."""
+        if self.cache.holds_delayed(self.weights_version):
+            self.weights.keep()
 
     def _weights_changed(self) -> None:
         self.weights_version += 1
-        self.cache.clear()
+        self.weights = self._weights_at(self.weights_version)
+        self.cache.keep_usable(self.weights_version)
 
     @property
     def throughput(self) -> float:
@@ -443,8 +523,9 @@ class StageWorker:
         first: ForwardWork = batch[0].work
         if first.targets is not None:
             return self._forward_loss(batch)
-        # Not while a step waits: the graph would be of the weights the step is about to change.
-        if first.train and self.cache.size > 0 and self.stepper.stepping is None:
+        # Not while a step waits, but for a delayed trainer: the graph would be of the weights the
+        # step is about to change, kept for delayed trainers' graphs only (`WeightsAt`).
+        if first.train and self.cache.size > 0 and (self.stepper.stepping is None or self._keeps(first)):
             # Training forwards that came together are run one by one, each recording a graph of its
             # own: their backwards come one at a time, and a graph of the batch could only be spent
             # whole. A backward that recomputes runs the forward again, with grad; on a first stage
@@ -455,14 +536,26 @@ class StageWorker:
             out = self.faults.corrupt(self.stage(x), self._lies(batch))
         return [ForwardResult(output=o) for o in self._split(out, batch)]
 
+    def _keeps(self, work: ForwardWork) -> bool:
+        """A delayed trainer's forward whose graph can outlive the stage's step: the step copies the
+        weights first. Not with activation checkpointing: backward would recompute the blocks on the
+        weights of the moment."""
+        return work.delayed and not self.run.model.checkpoint_activations
+
     def _recorded_forward(self, task: Task) -> ForwardResult:
         """A training forward whose graph is kept for its backward (`claim_cached`)."""
         x = self._inputs([task])
-        with torch.enable_grad(), autocast(self.device, self.run.model.dtype):
+        weights, keeps = self.weights, self._keeps(task.work)
+        # Only a delayed trainer's graph may be used once the weights changed: only its saved weights are watched.
+        watch = weights.hooks() if keeps else contextlib.nullcontext()
+        with torch.enable_grad(), autocast(self.device, self.run.model.dtype), watch:
             if not self.stage.is_first:
                 x.requires_grad_(True)
             out = self.faults.corrupt(self.stage(x), self._lies([task]))
-        self.cache.put(task.work.microbatch_id, CachedForward(x, out, self.weights_version))
+        entry = CachedForward(x, out, self.weights_version, weights, keeps)
+        if keeps and self.stepper.stepping is not None:
+            weights.keep()  # the step that waits copied none: there was no such graph when it began
+        self.cache.put(task.work.microbatch_id, entry)
         return ForwardResult(output=out.detach().to("cpu"))
 
     def _forward_loss(self, batch: list[Task]) -> list[ForwardResult]:
@@ -497,16 +590,19 @@ class StageWorker:
         recompute = []
         for i, task in enumerate(batch):
             cached = task.work.cached
-            if cached is None or cached.version != self.weights_version:
-                # A forward recorded before the stage's last step (another trainer's samples, or the
-                # trainer's own next step with delayed updates, completed a global batch in between) is
-                # recomputed on the weights the stage has now, as one served by another peer is.
+            if cached is None or not usable(cached, self.weights_version):
+                # A forward recorded before the stage's last step (another trainer's samples completed
+                # a global batch in between) is recomputed on the weights the stage has now, as one
+                # served by another peer is; a delayed trainer's runs on the weights it was recorded on.
                 recompute.append(i)
             else:
+                if cached.version != self.weights_version:
+                    self.stale_backwards += task.samples
                 cached.output.backward(self._to_device(task.work.output_grad).to(cached.output.dtype))
                 results[i] = None if self.stage.is_first else cached.inputs.grad.detach().to("cpu")
         if recompute:
             sub = [batch[i].uncached() for i in recompute]
+            self.recomputed += sum(t.samples for t in sub)
             x = self._inputs(sub)
             grad = self._to_device(torch.cat([t.work.output_grad for t in sub]))
             with torch.enable_grad():

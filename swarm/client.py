@@ -108,8 +108,10 @@ class StageClient:
         loss_scale: float = 0.0,
         timeout: float | None = None,
         check: bool = False,
+        delayed: bool = False,
     ) -> pb.ForwardResponse:
-        """`check`: a spot check's answer of a last-stage training forward (train=False)."""
+        """`check`: a spot check's answer of a last-stage training forward (train=False); `delayed`: a
+        training forward of a trainer with delayed updates (ForwardRequest.delayed)."""
         req = pb.ForwardRequest(
             run_id=self.run.run_id,
             stage=stage,
@@ -119,6 +121,7 @@ class StageClient:
             step=step,
             loss_scale=loss_scale,
             check=check,
+            delayed=delayed,
         )
         if targets is not None:
             req.targets.CopyFrom(targets)

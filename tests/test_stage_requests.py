@@ -307,6 +307,11 @@ CASES = [
     Case("check of a training forward", "s1 Forward", lambda: fwd(H(), 1, targets=X(), train=True, check=True),
          "check: only for a last-stage forward with targets and train=false"),
     Case("check without targets", "s1 Forward", lambda: fwd(H(), 1, check=True), "check: only for a last-stage"),
+    # delayed updates: only a training forward whose backward comes later
+    Case("delayed evaluation", "s0 Forward", lambda: fwd(X(), delayed=True),
+         "delayed: only for a training forward of a stage before the last (1)"),
+    Case("delayed last stage", "s1 Forward", lambda: fwd(H(), 1, targets=X(), train=True, delayed=True),
+         "delayed: only for a training forward of a stage before the last"),
     Case("retract never served", "s1 Retract",
          lambda: pb.RetractRequest(run_id=RUN.run_id, stage=1, microbatch_id="never"),
          "microbatch_id: no gradient of 'never' is kept here", grpc.StatusCode.NOT_FOUND),

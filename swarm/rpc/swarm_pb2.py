@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15swarm/rpc/swarm.proto\x12\x05swarm\"C\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xc4\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12\x1c\n\x05input\x18\x04 \x01(\x0b\x32\r.swarm.Tensor\x12\x1e\n\x07targets\x18\x05 \x01(\x0b\x32\r.swarm.Tensor\x12\r\n\x05train\x18\x06 \x01(\x08\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x12\n\nloss_scale\x18\x08 \x01(\x02\x12\r\n\x05\x63heck\x18\t \x01(\x08\"\x86\x01\n\x0f\x46orwardResponse\x12\x1d\n\x06output\x18\x01 \x01(\x0b\x32\r.swarm.Tensor\x12\x0c\n\x04loss\x18\x02 \x01(\x02\x12!\n\ninput_grad\x18\x03 \x01(\x0b\x32\r.swarm.Tensor\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x12\n\nstage_step\x18\x05 \x01(\x04\"\xa6\x01\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12\x1c\n\x05input\x18\x04 \x01(\x0b\x32\r.swarm.Tensor\x12\"\n\x0boutput_grad\x18\x05 \x01(\x0b\x32\r.swarm.Tensor\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\r\n\x05\x63heck\x18\x07 \x01(\x08\"Z\n\x10\x42\x61\x63kwardResponse\x12!\n\ninput_grad\x18\x01 \x01(\x0b\x32\r.swarm.Tensor\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x12\n\nstage_step\x18\x03 \x01(\x04\"\r\n\x0bInfoRequest\"\x8c\x02\n\x0cInfoResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x12\n\nmodel_hash\x18\x04 \x01(\t\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x14\n\x0cqueue_length\x18\x07 \x01(\r\x12\x12\n\nthroughput\x18\x08 \x01(\x01\x12\x12\n\nbytes_sent\x18\t \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\n \x01(\x04\x12\x16\n\x0esamples_served\x18\x0b \x01(\x04\x12\x17\n\x0foptimizer_steps\x18\x0c \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\"F\n\x11ParametersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nwith_grads\x18\x03 \x01(\x08\":\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x06tensor\x18\x02 \x01(\x0b\x32\r.swarm.Tensor\"x\n\x12ParametersResponse\x12&\n\nparameters\x18\x01 \x03(\x0b\x32\x12.swarm.NamedTensor\x12!\n\x05grads\x18\x02 \x03(\x0b\x32\x12.swarm.NamedTensor\x12\x17\n\x0foptimizer_steps\x18\x03 \x01(\x04\"F\n\x0eRetractRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\"\"\n\x0fRetractResponse\x12\x0f\n\x07samples\x18\x01 \x01(\r\"V\n\nRelayFrame\x12\x0c\n\x04\x63onn\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04open\x18\x03 \x01(\x08\x12\r\n\x05\x63lose\x18\x04 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"M\n\rNormSharePush\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0f\n\x07squared\x18\x04 \x01(\x01\"\x0e\n\x0cNormShareAck2\xac\x02\n\x05Stage\x12\x38\n\x07\x46orward\x12\x15.swarm.ForwardRequest\x1a\x16.swarm.ForwardResponse\x12;\n\x08\x42\x61\x63kward\x12\x16.swarm.BackwardRequest\x1a\x17.swarm.BackwardResponse\x12/\n\x04Info\x12\x12.swarm.InfoRequest\x1a\x13.swarm.InfoResponse\x12\x41\n\nParameters\x12\x18.swarm.ParametersRequest\x1a\x19.swarm.ParametersResponse\x12\x38\n\x07Retract\x12\x15.swarm.RetractRequest\x1a\x16.swarm.RetractResponse2;\n\x05Relay\x12\x32\n\x06\x41ttach\x12\x11.swarm.RelayFrame\x1a\x11.swarm.RelayFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15swarm/rpc/swarm.proto\x12\x05swarm\"C\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xd5\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12\x1c\n\x05input\x18\x04 \x01(\x0b\x32\r.swarm.Tensor\x12\x1e\n\x07targets\x18\x05 \x01(\x0b\x32\r.swarm.Tensor\x12\r\n\x05train\x18\x06 \x01(\x08\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x12\n\nloss_scale\x18\x08 \x01(\x02\x12\r\n\x05\x63heck\x18\t \x01(\x08\x12\x0f\n\x07\x64\x65layed\x18\n \x01(\x08\"\x86\x01\n\x0f\x46orwardResponse\x12\x1d\n\x06output\x18\x01 \x01(\x0b\x32\r.swarm.Tensor\x12\x0c\n\x04loss\x18\x02 \x01(\x02\x12!\n\ninput_grad\x18\x03 \x01(\x0b\x32\r.swarm.Tensor\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x12\n\nstage_step\x18\x05 \x01(\x04\"\xa6\x01\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12\x1c\n\x05input\x18\x04 \x01(\x0b\x32\r.swarm.Tensor\x12\"\n\x0boutput_grad\x18\x05 \x01(\x0b\x32\r.swarm.Tensor\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\r\n\x05\x63heck\x18\x07 \x01(\x08\"Z\n\x10\x42\x61\x63kwardResponse\x12!\n\ninput_grad\x18\x01 \x01(\x0b\x32\r.swarm.Tensor\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x12\n\nstage_step\x18\x03 \x01(\x04\"\r\n\x0bInfoRequest\"\x8c\x02\n\x0cInfoResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x12\n\nmodel_hash\x18\x04 \x01(\t\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x14\n\x0cqueue_length\x18\x07 \x01(\r\x12\x12\n\nthroughput\x18\x08 \x01(\x01\x12\x12\n\nbytes_sent\x18\t \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\n \x01(\x04\x12\x16\n\x0esamples_served\x18\x0b \x01(\x04\x12\x17\n\x0foptimizer_steps\x18\x0c \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\"F\n\x11ParametersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nwith_grads\x18\x03 \x01(\x08\":\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x06tensor\x18\x02 \x01(\x0b\x32\r.swarm.Tensor\"x\n\x12ParametersResponse\x12&\n\nparameters\x18\x01 \x03(\x0b\x32\x12.swarm.NamedTensor\x12!\n\x05grads\x18\x02 \x03(\x0b\x32\x12.swarm.NamedTensor\x12\x17\n\x0foptimizer_steps\x18\x03 \x01(\x04\"F\n\x0eRetractRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\"\"\n\x0fRetractResponse\x12\x0f\n\x07samples\x18\x01 \x01(\r\"V\n\nRelayFrame\x12\x0c\n\x04\x63onn\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04open\x18\x03 \x01(\x08\x12\r\n\x05\x63lose\x18\x04 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"M\n\rNormSharePush\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0f\n\x07squared\x18\x04 \x01(\x01\"\x0e\n\x0cNormShareAck2\xac\x02\n\x05Stage\x12\x38\n\x07\x46orward\x12\x15.swarm.ForwardRequest\x1a\x16.swarm.ForwardResponse\x12;\n\x08\x42\x61\x63kward\x12\x16.swarm.BackwardRequest\x1a\x17.swarm.BackwardResponse\x12/\n\x04Info\x12\x12.swarm.InfoRequest\x1a\x13.swarm.InfoResponse\x12\x41\n\nParameters\x12\x18.swarm.ParametersRequest\x1a\x19.swarm.ParametersResponse\x12\x38\n\x07Retract\x12\x15.swarm.RetractRequest\x1a\x16.swarm.RetractResponse2;\n\x05Relay\x12\x32\n\x06\x41ttach\x12\x11.swarm.RelayFrame\x1a\x11.swarm.RelayFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=32
   _globals['_TENSOR']._serialized_end=99
   _globals['_FORWARDREQUEST']._serialized_start=102
-  _globals['_FORWARDREQUEST']._serialized_end=298
-  _globals['_FORWARDRESPONSE']._serialized_start=301
-  _globals['_FORWARDRESPONSE']._serialized_end=435
-  _globals['_BACKWARDREQUEST']._serialized_start=438
-  _globals['_BACKWARDREQUEST']._serialized_end=604
-  _globals['_BACKWARDRESPONSE']._serialized_start=606
-  _globals['_BACKWARDRESPONSE']._serialized_end=696
-  _globals['_INFOREQUEST']._serialized_start=698
-  _globals['_INFOREQUEST']._serialized_end=711
-  _globals['_INFORESPONSE']._serialized_start=714
-  _globals['_INFORESPONSE']._serialized_end=982
-  _globals['_PARAMETERSREQUEST']._serialized_start=984
-  _globals['_PARAMETERSREQUEST']._serialized_end=1054
-  _globals['_NAMEDTENSOR']._serialized_start=1056
-  _globals['_NAMEDTENSOR']._serialized_end=1114
-  _globals['_PARAMETERSRESPONSE']._serialized_start=1116
-  _globals['_PARAMETERSRESPONSE']._serialized_end=1236
-  _globals['_RETRACTREQUEST']._serialized_start=1238
-  _globals['_RETRACTREQUEST']._serialized_end=1308
-  _globals['_RETRACTRESPONSE']._serialized_start=1310
-  _globals['_RETRACTRESPONSE']._serialized_end=1344
-  _globals['_RELAYFRAME']._serialized_start=1346
-  _globals['_RELAYFRAME']._serialized_end=1432
-  _globals['_NORMSHAREPUSH']._serialized_start=1434
-  _globals['_NORMSHAREPUSH']._serialized_end=1511
-  _globals['_NORMSHAREACK']._serialized_start=1513
-  _globals['_NORMSHAREACK']._serialized_end=1527
-  _globals['_STAGE']._serialized_start=1530
-  _globals['_STAGE']._serialized_end=1830
-  _globals['_RELAY']._serialized_start=1832
-  _globals['_RELAY']._serialized_end=1891
+  _globals['_FORWARDREQUEST']._serialized_end=315
+  _globals['_FORWARDRESPONSE']._serialized_start=318
+  _globals['_FORWARDRESPONSE']._serialized_end=452
+  _globals['_BACKWARDREQUEST']._serialized_start=455
+  _globals['_BACKWARDREQUEST']._serialized_end=621
+  _globals['_BACKWARDRESPONSE']._serialized_start=623
+  _globals['_BACKWARDRESPONSE']._serialized_end=713
+  _globals['_INFOREQUEST']._serialized_start=715
+  _globals['_INFOREQUEST']._serialized_end=728
+  _globals['_INFORESPONSE']._serialized_start=731
+  _globals['_INFORESPONSE']._serialized_end=999
+  _globals['_PARAMETERSREQUEST']._serialized_start=1001
+  _globals['_PARAMETERSREQUEST']._serialized_end=1071
+  _globals['_NAMEDTENSOR']._serialized_start=1073
+  _globals['_NAMEDTENSOR']._serialized_end=1131
+  _globals['_PARAMETERSRESPONSE']._serialized_start=1133
+  _globals['_PARAMETERSRESPONSE']._serialized_end=1253
+  _globals['_RETRACTREQUEST']._serialized_start=1255
+  _globals['_RETRACTREQUEST']._serialized_end=1325
+  _globals['_RETRACTRESPONSE']._serialized_start=1327
+  _globals['_RETRACTRESPONSE']._serialized_end=1361
+  _globals['_RELAYFRAME']._serialized_start=1363
+  _globals['_RELAYFRAME']._serialized_end=1449
+  _globals['_NORMSHAREPUSH']._serialized_start=1451
+  _globals['_NORMSHAREPUSH']._serialized_end=1528
+  _globals['_NORMSHAREACK']._serialized_start=1530
+  _globals['_NORMSHAREACK']._serialized_end=1544
+  _globals['_STAGE']._serialized_start=1547
+  _globals['_STAGE']._serialized_end=1847
+  _globals['_RELAY']._serialized_start=1849
+  _globals['_RELAY']._serialized_end=1908
 # @@protoc_insertion_point(module_scope)

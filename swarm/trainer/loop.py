@@ -102,11 +102,13 @@ def microbatch(
     steps: StageSteps | None = None,
     key: bytes | None = None,
     sent: list[str] | None = None,
+    delayed: bool = False,
 ) -> float:
     """Forward (and, when training, backward) one microbatch through every stage; its loss. `steps`:
     told each stage's answers; `key`: the trainer's secret, with which the peers see the microbatch's
     name (e.g. "12.3": step and index) as an opaque id (None: as it is); `sent`: gets the
-    microbatch's id before it is sent."""
+    microbatch's id before it is sent; `delayed`: the trainer runs with delayed updates, and says so
+    in its training forwards (a stage may then take their backward on the weights they ran on)."""
     heard = steps.heard if steps is not None else lambda k, peer, response: None
     mb_id = f"{caller.trace}-{name if key is None else opaque_id(key, name)}"
     if sent is not None:
@@ -137,7 +139,7 @@ def microbatch(
             samples,
             name,
             train,
-            lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t),
+            lambda c, t, k=k: c.forward(k, inputs[k], mb_id, step, train=t, delayed=delayed and t),
             output_ok,
             mb_id=mb_id,
             after=served_by[k - 1] if k else None,
@@ -245,7 +247,7 @@ def run_training(
         reached = StageSteps(run.stages.count, caller.host, caller.ceiling)
         sent: list[str] = []  # the ids of this step's microbatches, for its record (benchmarks/ledger.py)
         jobs = [
-            pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached, key=key, sent=sent)
+            pool.submit(microbatch, caller, b, label, f"{step}.{j}", steps=reached, key=key, sent=sent, delayed=overlap)
             for j, b in enumerate(batches)
         ]
         return step, batches, jobs, reached, sent
