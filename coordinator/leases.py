@@ -1,9 +1,10 @@
 """Which trainer reads which shard of the run's data: leases, handed out by the coordinator.
 
 The run's data is cut into shards (swarm.data.shards); within an epoch each shard is read once, from
-its first window to its last, by one trainer at a time. A trainer asks for a lease, gets the first
-shard of the epoch that is neither done nor leased, at the offset (windows already trained) last
-reported for it, and renews the lease with its progress while it reads. A lease not renewed within
+its first window to its last, by one trainer at a time, in an order drawn for each epoch from the
+run's seed (swarm.data.epoch_order, the order of a trainer reading alone). A trainer asks for a
+lease, gets the first shard in that order that is neither done nor leased, at the offset (windows
+already trained) last reported for it, and renews the lease with its progress while it reads. A lease not renewed within
 `ttl_s` expires: its shard goes to the next trainer that asks, from the last reported offset (a
 trainer that left hands its shard over that way). When every shard of the epoch is done, the next
 epoch starts, every shard again from offset 0.
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.invites import read_state, write_private
 from swarm.config import ConfigError
+from swarm.data import epoch_order
 
 DEFAULT_TTL_S = 30.0
 LEASE_ID_BYTES = 16
@@ -89,10 +91,12 @@ class ShardLeases:
         path: Path | None = None,
         ttl_s: float = DEFAULT_TTL_S,
         clock: Callable[[], float] = time.time,
+        seed: int = 0,
     ):
+        """`seed`: the run's (training.seed), from which each epoch's order of the shards is drawn."""
         if not names:
             raise ConfigError("data: the run's data has no shards to lease")
-        self.names, self.path, self.ttl_s, self.clock = list(names), path, ttl_s, clock
+        self.names, self.path, self.ttl_s, self.clock, self.seed = list(names), path, ttl_s, clock, seed
         self._lock = threading.Lock()
         self._restored = False  # leases read from the file, not yet given their time from the first request
         self._state = self._load()
@@ -133,14 +137,15 @@ class ShardLeases:
         return state
 
     def grant(self, trainer: str) -> Lease | None:
-        """A lease for `trainer` on the first shard of the epoch neither done nor leased, from its last
-        reported offset; None when every such shard is leased (ask again later: the epoch ends when
-        they are done)."""
+        """A lease for `trainer` on the first shard, in the epoch's order, neither done nor leased, from
+        its last reported offset; None when every such shard is leased (ask again later: the epoch
+        ends when they are done)."""
         with self._lock:
             now = self.clock()
             state = self._live(now)
             taken = {lease.shard for lease in state.leases}
-            free = [k for k, s in enumerate(state.shards) if not s.done and k not in taken]
+            order = epoch_order(len(self.names), self.seed, state.epoch)
+            free = [k for k in order if not state.shards[k].done and k not in taken]
             if not free:
                 if state is not self._state:
                     self._save(state)

@@ -115,7 +115,7 @@ def shard_leases(run: RunConfig, state_dir: Path, ttl_s: float) -> ShardLeases |
     except ConfigError as err:
         log.warning(f"no shard leases: the coordinator cannot list the run's data ({err}); every trainer reads it all")
         return None
-    return ShardLeases(names, state_dir / "leases.json", ttl_s)
+    return ShardLeases(names, state_dir / "leases.json", ttl_s, seed=run.training.seed)
 
 
 def serve_coordinator(

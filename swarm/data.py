@@ -102,6 +102,15 @@ class ShardSource(Protocol):
         """Every window of `shard` is trained."""
 
 
+def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
+    """The order in which an epoch reads the run's `count` shards, drawn from the run's seed: one
+    trainer reading alone and the coordinator's leases (coordinator/leases.py) take the same, so a
+    trainer on a swarm sees the windows a trainer alone would, in the same order."""
+    order = list(range(count))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
 class LocalShards:
     """One trainer reads every shard: each epoch in an order drawn from the seed, epochs without end.
     It keeps what it was told (`offsets`, `finished`) for whoever asks."""
@@ -118,8 +127,7 @@ class LocalShards:
     def next_shard(self) -> tuple[Shard, int, int]:
         if not self.queue:
             self.epoch += 1
-            self.queue = list(self.shards)
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self.queue)
+            self.queue = [self.shards[k] for k in epoch_order(len(self.shards), self.seed, self.epoch)]
             self.offsets.clear()
         return self.queue.pop(0), 0, self.epoch
 

@@ -24,7 +24,8 @@ import httpx
 import pytest
 
 from swarm.children import stop_all
-from swarm.config import ConfigError
+from swarm.config import ConfigError, load_config
+from swarm.data import TrainStream
 from swarm.trainer.leases import CoordinatorShards
 from tests.conftest import run_cli
 from tests.processes import ROOT, Proc, child, free_port, start_coordinator, wait_for_state
@@ -249,6 +250,25 @@ def swarm_of(tmp: Path, *coordinator_args: str) -> tuple[list[Proc], str]:
 
     wait_for_state(url, online, timeout=120)
     return procs, url
+
+
+def test_one_trainer_on_a_swarm_trains_the_windows_a_trainer_alone_would_in_its_order(tmp_path: Path):
+    """The coordinator leases each epoch's shards in the order a trainer reading alone takes them
+    (swarm.data.epoch_order, from the run's seed): one trainer on a swarm trains the very windows, in
+    the very order, of `swarm train --local`, so that the two runs' losses compare step by step."""
+    procs, url = swarm_of(tmp_path)
+    try:
+        trainer = start_trainer(url, tmp_path, "a", steps=6)
+        procs.append(trainer)
+        assert trainer.popen.wait(300) == 0, trainer.output()[-3000:]
+        run = load_config(tmp_path / "run.toml")
+        alone = TrainStream.local(run.data, run.model.seq_len, run.training.seed)
+        t = run.training
+        expected = [w for _ in range(6 * t.accumulation) for w in alone.next_microbatch(t.micro_batch).ids]
+        assert windows_of(tmp_path, "a") == expected
+        assert {s for s, _ in expected} != {0}, "the epoch's first shards are the first in index order too"
+    finally:
+        stop_all(procs)
 
 
 def test_two_trainers_on_one_run_train_disjoint_windows(tmp_path: Path):
