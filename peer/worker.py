@@ -79,6 +79,7 @@ class WeightsAt:
         self.version, self.params = version, params
         self._storages = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
         self.kept: list[torch.Tensor] | None = None
+        self.watched = False  # a graph was recorded under `hooks`: its backward may come after a step
 
     def keep(self) -> None:
         """Copy the weights as they are now; before they change in place. Under the worker's lock."""
@@ -88,6 +89,7 @@ class WeightsAt:
                 self.kept = [p.new_empty(0).set_(p.untyped_storage().clone()) for p in self.params]
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        self.watched = True
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | _SavedWeight:
@@ -122,11 +124,6 @@ class ForwardCache:
         with self.lock:
             entry = self.entries.pop(microbatch_id, None)
         return entry if entry is not None and usable(entry, version) else None
-
-    def holds_delayed(self, version: int) -> bool:
-        """Whether a delayed trainer's graph recorded at `version` is here."""
-        with self.lock:
-            return any(e.delayed and e.version == version for e in self.entries.values())
 
     def keep_usable(self, version: int) -> None:
         """Drop the graphs that cannot be used at `version` (the weights changed)."""
@@ -298,8 +295,9 @@ class StageWorker:
         return WeightsAt(version, [p for p in self.stage.parameters() if p.requires_grad])
 
     def _keep_weights(self) -> None:
-        """Before the stage's step: copy the weights that delayed trainers' recorded graphs still need."""
-        if self.cache.holds_delayed(self.weights_version):
+        """Before the stage's step: copy the weights that delayed trainers' graphs still need (in the
+        cache, or claimed by a backward that has not run yet)."""
+        if self.weights.watched:
             self.weights.keep()
 
     def _weights_changed(self) -> None:
