@@ -152,6 +152,10 @@ def answer(url: str, response: httpx.Response, join_token: str | None) -> dict:
     return response.json()
 
 
+class Unreachable(ConfigError):
+    """The coordinator did not answer (down, restarting): worth asking again, unlike a refusal."""
+
+
 def request_certificate(
     url: str, key: RSAPrivateKey, role: Role, join_token: str | None = None, timeout: float = 10.0
 ) -> Issued:
@@ -165,7 +169,7 @@ def request_certificate(
             timeout=timeout,
         )
     except httpx.HTTPError as err:
-        raise ConfigError(f"--coordinator: cannot reach {url} for a certificate: {err}") from None
+        raise Unreachable(f"--coordinator: cannot reach {url} for a certificate: {err}") from None
     body = answer(url, response, join_token)
     return Issued(
         certificate=body["certificate"],
@@ -193,25 +197,31 @@ def join_dht(
     process started with `dht_options` (see `records.make_dht`), and this process's membership (a
     certificate for the node's key, kept current in the background). `check(run)` may refuse the
     run (raise ConfigError) before anything starts. The coordinator may die between its answer and
-    the node's start (its DHT then refuses the bootstrap): the join is tried again, as a coordinator
-    that does not answer is, for up to `wait_s` seconds in all."""
+    the certificate's request, or the node's start (its DHT then refuses the bootstrap): the join is
+    tried again, as a coordinator that does not answer is, for up to `wait_s` seconds in all."""
     deadline = time.monotonic() + wait_s
     key = dht_options.pop("record_key", None) or node_key()
     while True:
         run, initial_peers = fetch_join(url, join_token=join_token, wait_s=max(0.0, deadline - time.monotonic()))
         if check is not None:
             check(run)
-        member = join_run(url, key, role, run.run_id, join_token)
         try:
-            dht = make_dht(initial_peers, record_key=key, authorizer=member.authorizer(), **dht_options)
-        except Exception as err:  # hivemind raises its daemon's error as it is (P2PDaemonError, RuntimeError)
-            problem = f"the run's DHT at {', '.join(initial_peers)} did not answer ({err})"
+            member = join_run(url, key, role, run.run_id, join_token)
+        except Unreachable as err:
             if time.monotonic() + 1 > deadline:
-                raise ConfigError(f"--coordinator: {problem}") from None
+                raise
+            problem = str(err).removeprefix("--coordinator: ")
         else:
-            coordinators = maddr_peer_ids(initial_peers)
-            member.start(dht, functools.partial(read_removed, dht, run.run_id, coordinators))
-            return run, initial_peers, dht, member
+            try:
+                dht = make_dht(initial_peers, record_key=key, authorizer=member.authorizer(), **dht_options)
+            except Exception as err:  # hivemind raises its daemon's error as it is (P2PDaemonError, RuntimeError)
+                problem = f"the run's DHT at {', '.join(initial_peers)} did not answer ({err})"
+                if time.monotonic() + 1 > deadline:
+                    raise ConfigError(f"--coordinator: {problem}") from None
+            else:
+                coordinators = maddr_peer_ids(initial_peers)
+                member.start(dht, functools.partial(read_removed, dht, run.run_id, coordinators))
+                return run, initial_peers, dht, member
         log.warning(f"{problem}; trying again in 1 s")
         time.sleep(1)
 

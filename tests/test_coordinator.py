@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from swarm.config import load_config
-from swarm.join import fetch_join
+from swarm.config import ConfigError, load_config
+from swarm.join import fetch_join, join_dht
 from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer
 from tests.processes import ROOT, group_members, member_dht, start_coordinator, wait_for_state
 
@@ -156,3 +158,64 @@ def test_sigterm_stops_the_coordinator_and_all_its_children(tmp_path: Path):
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
     assert "stopped" in proc.output()
+
+
+class DroppingFront:
+    """An HTTP front of a real coordinator, on its own port: it passes every request on, but closes
+    the connection of the first `drop` certificate requests without an answer, as a coordinator
+    killed between a joiner's /join and its certificate request leaves it."""
+
+    def __init__(self, coordinator: str, drop: int):
+        front = self
+        self.drop, self.certificate_calls = drop, 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _pass_on(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path == "/api/v1/certificate":
+                    front.certificate_calls += 1
+                    if front.certificate_calls <= front.drop:
+                        self.close_connection = True
+                        return
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
+                answer = httpx.request(method, coordinator + self.path, content=body, headers=headers, timeout=10)
+                self.send_response(answer.status_code)
+                self.send_header("Content-Type", answer.headers.get("content-type", "application/json"))
+                self.send_header("Content-Length", str(len(answer.content)))
+                self.end_headers()
+                self.wfile.write(answer.content)
+
+            def do_GET(self) -> None:
+                self._pass_on("GET")
+
+            def do_POST(self) -> None:
+                self._pass_on("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_joiner_asks_again_for_a_certificate_the_coordinator_did_not_answer(coordinator: str):
+    """The coordinator may die between its answer to /join and a joiner's certificate request (the
+    chaos benchmark killed it there, and the trainer gave up). Within its --join-wait the joiner asks
+    again, as it does for /join; with no wait it stops with a message that names the certificate."""
+    front = DroppingFront(coordinator, drop=1)
+    try:
+        with pytest.raises(ConfigError, match="cannot reach .* for a certificate"):
+            join_dht(front.url, "trainer", wait_s=0, client_mode=True)
+        front.certificate_calls, front.drop = 0, 1
+        run, _, dht, member = join_dht(front.url, "trainer", wait_s=30, client_mode=True)
+        member.stop()
+        dht.shutdown()
+    finally:
+        front.close()
+    assert front.certificate_calls == 2
+    assert run.run_id == load_config(TINY).run_id
