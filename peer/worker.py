@@ -75,9 +75,9 @@ class WeightsAt:
     reference and hand the copy back in backward once there is one: autograd would otherwise refuse
     the backward (the step changed a saved tensor in place) or, with no check, use the new weights."""
 
-    def __init__(self, version: int, params: list[torch.Tensor]):
-        self.version, self.params = version, params
-        self._storages = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self._storages: dict[int, int] = {}  # a weight's storage -> its index, from the first `hooks`
         self.kept: list[torch.Tensor] | None = None
         self.watched = False  # a graph was recorded under `hooks`: its backward may come after a step
 
@@ -89,6 +89,8 @@ class WeightsAt:
                 self.kept = [p.new_empty(0).set_(p.untyped_storage().clone()) for p in self.params]
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        if not self.watched:  # only delayed trainers' graphs are watched: nothing to map for the others
+            self._storages = {p.untyped_storage().data_ptr(): i for i, p in enumerate(self.params)}
         self.watched = True
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -188,9 +190,10 @@ class StageWorker:
         self.lock = threading.Lock()  # held while parameters or gradients change
         self.cache = ForwardCache(run.serve.cache_size if cache_size is None else cache_size)
         # Goes up whenever the weights change (a step, a skip, or the stage's state or a checkpoint
-        # loaded in place): a recorded forward is used only at the version it was recorded at.
+        # loaded in place): a recorded forward is used only at the version it was recorded at, or a
+        # delayed trainer's one version later (`usable`).
         self.weights_version = 0
-        self.weights = self._weights_at(0)
+        self.weights = self._weights_now()
         # The requests of the gradients kept lately, by microbatch id, for `retract` (the newest last).
         self.retractable: collections.OrderedDict[str, ForwardWork | BackwardWork] = collections.OrderedDict()
         self.retractable_size = max(16, 4 * run.training.accumulation)
@@ -291,8 +294,8 @@ class StageWorker:
         """Take this microbatch's recorded forward, if it is still here and still usable."""
         return self.cache.claim(microbatch_id, self.weights_version)
 
-    def _weights_at(self, version: int) -> WeightsAt:
-        return WeightsAt(version, [p for p in self.stage.parameters() if p.requires_grad])
+    def _weights_now(self) -> WeightsAt:
+        return WeightsAt([p for p in self.stage.parameters() if p.requires_grad])
 
     def _keep_weights(self) -> None:
         """Before the stage's step: copy the weights that delayed trainers' graphs still need (in the
@@ -302,7 +305,7 @@ class StageWorker:
 
     def _weights_changed(self) -> None:
         self.weights_version += 1
-        self.weights = self._weights_at(self.weights_version)
+        self.weights = self._weights_now()
         self.cache.keep_usable(self.weights_version)
 
     @property
