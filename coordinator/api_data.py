@@ -63,6 +63,10 @@ class DataState(BaseModel):
     count: ShardCount
     lease_ttl_s: float = Field(description="a lease not renewed for this long expires")
     shards: list[ShardState]
+    ahead: list[ShardState] = Field(
+        description="the next epoch's shards leased or read already: once every shard of the epoch is done or "
+        "leased, trainers read on into the next"
+    )
 
 
 def data_router(leases: ShardLeases, admitted: Callable[..., object], refused: dict) -> APIRouter:
@@ -83,12 +87,18 @@ def data_router(leases: ShardLeases, admitted: Callable[..., object], refused: d
 
     @router.get("/data", response_model=DataState, summary="The current epoch's shards: done, leased, free")
     def data() -> DataState:
-        holders = {lease.shard: lease.trainer for lease in leases.leases()}
-        shards = [
-            ShardState(shard=k, name=name, offset=p.offset, done=p.done, trainer=holders.get(k))
-            for k, (name, p) in enumerate(zip(leases.names, leases.progress(), strict=True))
-        ]
-        return DataState(count=leases.count(), lease_ttl_s=leases.ttl_s, shards=shards)
+        held = leases.leases()
+
+        def states(ahead: bool) -> list[ShardState]:
+            epoch, progress = leases.progress(ahead)
+            holders = {lease.shard: lease.trainer for lease in held if lease.epoch == epoch}
+            return [
+                ShardState(shard=k, name=name, offset=p.offset, done=p.done, trainer=holders.get(k))
+                for k, (name, p) in enumerate(zip(leases.names, progress, strict=True))
+            ]
+
+        started = [s for s in states(True) if s.trainer or s.offset or s.done]
+        return DataState(count=leases.count(), lease_ttl_s=leases.ttl_s, shards=states(False), ahead=started)
 
     @router.post(
         "/data/lease",

@@ -9,6 +9,13 @@ already trained) last reported for it, and renews the lease with its progress wh
 trainer that left hands its shard over that way). When every shard of the epoch is done, the next
 epoch starts, every shard again from offset 0.
 
+Once every shard of the epoch is done or leased, an asker gets the first free shard of the next
+epoch (in that epoch's order), as a trainer reading alone moves on to the next epoch's first shard
+while its last ones are still in its shuffle buffer. Waiting for the epoch's last shards to be
+trained instead stalled a lone trainer at every epoch's end (its buffer drained: about 5 s on
+tiny.toml), and its batches were no longer those of a trainer alone. Never more than one epoch
+ahead, and an expired lease of the current epoch goes out again before any shard of the next.
+
 A pure policy (an injected clock, no HTTP), like swarm/routing.py. The state is written whole to
 `state_dir/leases.json` at each change (coordinator.invites.write_private), before it is answered:
 what a trainer was told is what a restarted coordinator finds, so a restart does not start the epoch
@@ -71,7 +78,10 @@ class LeaseFile(BaseModel):
     names: list[str] = Field(description="the run's shards, in order: a different list is another run's data")
     epoch: int = Field(0, ge=0)
     shards: list[ShardProgress]
-    leases: list[Lease] = Field(default_factory=list)
+    ahead: list[ShardProgress] | None = Field(
+        None, description="the next epoch's shards, once one of them is leased before this epoch ended"
+    )
+    leases: list[Lease] = Field(default_factory=list, description="of the epoch, and of the next")
 
 
 class ShardCount(BaseModel):
@@ -80,6 +90,7 @@ class ShardCount(BaseModel):
     done: int
     leased: int
     free: int
+    ahead: int = Field(description="shards of the next epoch leased or done already (this epoch's are all leased)")
 
 
 class ShardLeases:
@@ -107,7 +118,8 @@ class ShardLeases:
             return fresh
         fix = "remove it to start the data from its first epoch"
         saved = read_state(self.path, LeaseFile, "the run's shard leases", fix)
-        if saved.names != self.names or len(saved.shards) != len(self.names):
+        count = len(self.names)
+        if saved.names != self.names or len(saved.shards) != count or len(saved.ahead or self.names) != count:
             raise ConfigError(
                 f"{self.path}: the shard leases are of other data ({len(saved.names)} shards, not the "
                 f"{len(self.names)} of this run's data section): remove the file to start this data from its "
@@ -132,34 +144,52 @@ class ShardLeases:
         leases = [lease for lease in state.leases if lease.expires > now]
         if len(leases) != len(state.leases):
             state = state.model_copy(update={"leases": leases})
-        if all(s.done for s in state.shards):
-            state = state.model_copy(update={"epoch": state.epoch + 1, "shards": [ShardProgress() for _ in self.names]})
+        while all(s.done for s in state.shards):  # twice when the next epoch, read ahead, is done too
+            shards = state.ahead or self._fresh()
+            state = state.model_copy(update={"epoch": state.epoch + 1, "shards": shards, "ahead": None})
         return state
+
+    def _fresh(self) -> list[ShardProgress]:
+        return [ShardProgress() for _ in self.names]
+
+    def _progress_in(self, state: LeaseFile, epoch: int) -> list[ShardProgress]:
+        """The shards' progress in `epoch`: the state's epoch, or the next."""
+        return state.shards if epoch == state.epoch else state.ahead or self._fresh()
+
+    def _first_free(self, state: LeaseFile, epoch: int) -> int | None:
+        """The first shard of `epoch` (the state's, or the next), in its order, neither done nor leased."""
+        progress = self._progress_in(state, epoch)
+        taken = {lease.shard for lease in state.leases if lease.epoch == epoch}
+        order = epoch_order(len(self.names), self.seed, epoch)
+        return next((k for k in order if not progress[k].done and k not in taken), None)
 
     def grant(self, trainer: str) -> Lease | None:
         """A lease for `trainer` on the first shard, in the epoch's order, neither done nor leased, from
-        its last reported offset; None when every such shard is leased (ask again later: the epoch
-        ends when they are done)."""
+        its last reported offset; once every shard of the epoch is done or leased, the first such
+        shard of the next epoch; None when those are all leased too (ask again later)."""
         with self._lock:
             now = self.clock()
             state = self._live(now)
-            taken = {lease.shard for lease in state.leases}
-            order = epoch_order(len(self.names), self.seed, state.epoch)
-            free = [k for k in order if not state.shards[k].done and k not in taken]
-            if not free:
+            epoch = state.epoch
+            k = self._first_free(state, epoch)
+            if k is None:
+                epoch += 1
+                k = self._first_free(state, epoch)
+            if k is None:
                 if state is not self._state:
                     self._save(state)
                 return None
-            k = free[0]
+            progress = self._progress_in(state, epoch)
             lease = Lease(
                 lease_id=secrets.token_urlsafe(LEASE_ID_BYTES),
                 shard=k,
                 trainer=trainer,
-                epoch=state.epoch,
-                offset=state.shards[k].offset,
+                epoch=epoch,
+                offset=progress[k].offset,
                 expires=now + self.ttl_s,
             )
-            self._save(state.model_copy(update={"leases": [*state.leases, lease]}))
+            ahead = progress if epoch > state.epoch else state.ahead
+            self._save(state.model_copy(update={"leases": [*state.leases, lease], "ahead": ahead}))
             return lease
 
     def renew(self, lease_id: str, offset: int, done: bool = False, release: bool = False) -> Lease:
@@ -185,28 +215,32 @@ class ShardLeases:
                     "reported trained (an offset never goes back)"
                 )
             renewed = lease.model_copy(update={"offset": offset, "expires": now + self.ttl_s})
-            shards = list(state.shards)
-            shards[lease.shard] = ShardProgress(offset=offset, done=done)
+            progress = list(self._progress_in(state, lease.epoch))
+            progress[lease.shard] = ShardProgress(offset=offset, done=done)
             leases = [x for x in state.leases if x.lease_id != lease_id] + ([] if done or release else [renewed])
-            self._save(state.model_copy(update={"shards": shards, "leases": leases}))
+            field = "shards" if lease.epoch == state.epoch else "ahead"
+            self._save(state.model_copy(update={field: progress, "leases": leases}))
             return renewed
 
     def count(self) -> ShardCount:
-        """The current epoch's shards: done, leased (to a trainer now) and free."""
+        """The current epoch's shards: done, leased (to a trainer now) and free; and how many of the
+        next epoch's are leased or done already."""
         with self._lock:
             state = self._live(self.clock())
         done = sum(s.done for s in state.shards)
-        leased = len(state.leases)
-        return ShardCount(
-            epoch=state.epoch, shards=len(self.names), done=done, leased=leased, free=len(self.names) - done - leased
-        )
+        leased = sum(lease.epoch == state.epoch for lease in state.leases)
+        ahead = sum(lease.epoch > state.epoch for lease in state.leases) + sum(s.done for s in state.ahead or [])
+        n = len(self.names)
+        return ShardCount(epoch=state.epoch, shards=n, done=done, leased=leased, free=n - done - leased, ahead=ahead)
 
     def leases(self) -> list[Lease]:
-        """The live leases, oldest first."""
+        """The live leases, of the current epoch and of the next, oldest first."""
         with self._lock:
             return list(self._live(self.clock()).leases)
 
-    def progress(self) -> list[ShardProgress]:
-        """Each shard's progress in the current epoch, in shard order."""
+    def progress(self, ahead: bool = False) -> tuple[int, list[ShardProgress]]:
+        """The current epoch (`ahead`: the next) and each shard's progress in it, in shard order."""
         with self._lock:
-            return list(self._live(self.clock()).shards)
+            state = self._live(self.clock())
+            epoch = state.epoch + ahead
+            return epoch, list(self._progress_in(state, epoch))

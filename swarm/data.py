@@ -95,11 +95,11 @@ class ShardSource(Protocol):
     def next_shard(self) -> tuple[Shard, int, int] | None:
         """The next shard to read, the window to start at and its epoch; None: no shard for now."""
 
-    def progress(self, shard: Shard, offset: int) -> None:
-        """Windows 0 .. offset - 1 of `shard` are read and trained."""
+    def progress(self, shard: Shard, epoch: int, offset: int) -> None:
+        """Windows 0 .. offset - 1 of `shard`, taken in `epoch`, are read and trained."""
 
-    def done(self, shard: Shard) -> None:
-        """Every window of `shard` is trained."""
+    def done(self, shard: Shard, epoch: int) -> None:
+        """Every window of `shard`, taken in `epoch`, is trained (a trainer may hold a shard in two epochs)."""
 
 
 def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
@@ -131,10 +131,11 @@ class LocalShards:
             self.offsets.clear()
         return self.queue.pop(0), 0, self.epoch
 
-    def progress(self, shard: Shard, offset: int) -> None:
-        self.offsets[shard.index] = offset
+    def progress(self, shard: Shard, epoch: int, offset: int) -> None:
+        if epoch == self.epoch:
+            self.offsets[shard.index] = offset
 
-    def done(self, shard: Shard) -> None:
+    def done(self, shard: Shard, epoch: int) -> None:
         self.finished.append(shard)
 
 
@@ -143,6 +144,7 @@ class _Reading:
     """One shard taken from the source: how far it is read, and which of its windows are not yet trained."""
 
     shard: Shard
+    epoch: int
     windows: Iterator[torch.Tensor] | None  # None once read to its end
     read: int  # windows read so far (the next one's index)
     reported: int
@@ -240,7 +242,7 @@ class TrainStream:
             )
         docs = _split(shard, self._reader(shard), self.cfg.val_fraction, False)
         wins = islice(windows(docs, self.tokenizer, self.seq_len), start, None)
-        reading = _Reading(shard, wins, read=start, reported=start)
+        reading = _Reading(shard, epoch, wins, read=start, reported=start)
         self.open.append(reading)
         return reading
 
@@ -252,12 +254,12 @@ class TrainStream:
     def _report(self, reading: _Reading) -> None:
         if reading.windows is None and not reading.untrained:
             self.open.remove(reading)
-            self.source.done(reading.shard)
+            self.source.done(reading.shard, reading.epoch)
             return
         low = reading.trained_below()
         if low > reading.reported:
             reading.reported = low
-            self.source.progress(reading.shard, low)
+            self.source.progress(reading.shard, reading.epoch, low)
 
     # -- validation -------------------------------------------------------------------------
 

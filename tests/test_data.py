@@ -51,10 +51,10 @@ class Fixed:
     def next_shard(self):
         return self.given.pop(0) if self.given else None
 
-    def progress(self, shard, offset):
+    def progress(self, shard, epoch, offset):
         self.progressed.append((shard.index, offset))
 
-    def done(self, shard):
+    def done(self, shard, epoch):
         self.finished.append(shard.index)
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from swarm.children import stop_all
 from swarm.config import ConfigError, load_config
-from swarm.data import TrainStream
+from swarm.data import TrainStream, epoch_order, shards
 from swarm.trainer.leases import CoordinatorShards
 from tests.conftest import run_cli
 from tests.processes import ROOT, Proc, child, free_port, start_coordinator, wait_for_state
@@ -139,17 +139,28 @@ def test_shards_go_to_one_trainer_at_a_time_and_expire_to_the_next_at_the_report
     config = files_config(tmp_path, shard_files(tmp_path / "data"))
     ttl = 5.0  # long enough for the requests between two renewals on a busy machine
     proc, url = start_coordinator(config, tmp_path / "c.log", "--lease-ttl", str(ttl))  # an open run
+    seed = load_config(config).training.seed
     try:
         leases = [granted(url, f"t{k}") for k in range(SHARDS)]
         assert sorted(x["shard"] for x in leases) == list(range(SHARDS))
         assert {x["epoch"] for x in leases} == {0} and {x["offset"] for x in leases} == {0}
         assert all(x["name"].endswith(f"part-{x['shard']:02d}.txt") for x in leases)
-        none = lease(url, "late").json()
-        assert none["lease"] is None and 0 < none["retry_s"] <= ttl, none
-        assert data_state(url)["count"] == {"epoch": 0, "shards": SHARDS, "done": 0, "leased": SHARDS, "free": 0}
+        assert [x["shard"] for x in leases] == epoch_order(SHARDS, seed, 0)
+        assert data_state(url)["count"] == {
+            **{"epoch": 0, "shards": SHARDS, "done": 0, "leased": SHARDS, "free": 0, "ahead": 0}
+        }
+
+        # Every shard of the epoch leased: the next asker reads on into the next epoch, in its order.
+        early = granted(url, "early")
+        assert (early["epoch"], early["shard"], early["offset"]) == (1, epoch_order(SHARDS, seed, 1)[0], 0)
+        state = data_state(url)
+        assert state["count"] == {"epoch": 0, "shards": SHARDS, "done": 0, "leased": SHARDS, "free": 0, "ahead": 1}
+        assert [(s["shard"], s["trainer"]) for s in state["ahead"]] == [(early["shard"], "early")]
+        assert {s["trainer"] for s in state["shards"]} == {f"t{k}" for k in range(SHARDS)}
 
         # Shard of leases[0]: 5 windows trained, then its trainer is silent; the others keep renewing.
-        first, rest = leases[0], leases[1:]
+        # Expired, it goes out again before any more of the next epoch's shards.
+        first, rest = leases[0], [*leases[1:], early]
         assert renew(url, first["lease_id"], offset=5).json()["expires_in_s"] == pytest.approx(ttl, abs=0.5)
         deadline = time.monotonic() + ttl + 1
         while time.monotonic() < deadline:
@@ -168,13 +179,24 @@ def test_shards_go_to_one_trainer_at_a_time_and_expire_to_the_next_at_the_report
         again = granted(url, "after")
         assert (again["shard"], again["offset"]) == (first["shard"], 9)
 
-        # Every shard done: the next epoch starts, every shard from offset 0.
-        for x in [again, *rest]:
+        # Every shard done: the next epoch starts, its shards from offset 0 but for the one read ahead.
+        assert renew(url, early["lease_id"], offset=3).status_code == 200
+        for x in [again, *leases[1:]]:
             assert renew(url, x["lease_id"], offset=20, done=True).status_code == 200
-        assert data_state(url)["count"] == {"epoch": 1, "shards": SHARDS, "done": 0, "leased": 0, "free": SHARDS}
+        state = data_state(url)
+        assert state["count"] == {"epoch": 1, "shards": SHARDS, "done": 0, "leased": 1, "free": SHARDS - 1, "ahead": 0}
+        assert [(s["shard"], s["offset"], s["trainer"]) for s in state["shards"] if s["trainer"] or s["offset"]] == [
+            (early["shard"], 3, "early")
+        ]
+        assert renew(url, early["lease_id"], offset=4).json()["epoch"] == 1  # its lease lives on
         epoch1 = granted(url, "t0")
-        assert epoch1["epoch"] == 1 and epoch1["offset"] == 0
-        assert data_state(url)["count"] == {"epoch": 1, "shards": SHARDS, "done": 0, "leased": 1, "free": SHARDS - 1}
+        assert (epoch1["epoch"], epoch1["shard"], epoch1["offset"]) == (1, epoch_order(SHARDS, seed, 1)[1], 0)
+
+        # Only one epoch ahead: once both epochs' shards are leased, an asker gets none.
+        more = [granted(url, f"u{k}") for k in range(2 * SHARDS - 2)]
+        assert [x["epoch"] for x in more] == [1] * (SHARDS - 2) + [2] * SHARDS
+        none = lease(url, "late").json()
+        assert none["lease"] is None and 0 < none["retry_s"] <= ttl, none
     finally:
         stop_all([proc])
 
@@ -199,6 +221,28 @@ def test_a_restarted_coordinator_keeps_the_epoch_and_its_leases(tmp_path: Path):
         assert data_state(url)["count"]["epoch"] == 0
     finally:
         stop_all(procs)
+
+
+def test_a_trainer_holding_one_shard_in_two_epochs_reports_each_on_its_own_lease(tmp_path: Path):
+    """A run of one shard: a trainer reads its last windows of epoch 0 while it reads the first of
+    epoch 1, on two leases of the same shard. Its progress on one must not land on the other."""
+    config = files_config(tmp_path, shard_files(tmp_path / "data", count=1))
+    proc, url = start_coordinator(config, tmp_path / "c.log", "--lease-ttl", "30")
+    source = CoordinatorShards(url, shards(load_config(config).data), "t")
+    try:
+        (shard, start, epoch), ahead = source.next_shard(), source.next_shard()
+        assert (shard.index, start, epoch) == (0, 0, 0) and ahead == (shard, 0, 1)
+        source.progress(shard, 0, 4)
+        source.progress(shard, 1, 2)
+        assert [(s["offset"], s["trainer"]) for s in data_state(url)["shards"]] == [(4, "t")]
+        assert [(s["offset"], s["trainer"]) for s in data_state(url)["ahead"]] == [(2, "t")]
+        source.done(shard, 0)
+        state = data_state(url)  # epoch 0 ended; the lease of epoch 1 goes on from its offset
+        assert state["count"]["epoch"] == 1 and state["ahead"] == [], state
+        assert [(s["offset"], s["done"], s["trainer"]) for s in state["shards"]] == [(2, False, "t")]
+    finally:
+        source.close()
+        stop_all([proc])
 
 
 def test_a_damaged_leases_file_stops_the_coordinator_with_a_clear_error(tmp_path: Path):
@@ -236,9 +280,10 @@ def windows_of(tmp: Path, name: str) -> list[tuple[int, int]]:
     return out
 
 
-def swarm_of(tmp: Path, *coordinator_args: str) -> tuple[list[Proc], str]:
-    """A coordinator of 8 large shard files and one peer per stage, online."""
-    config = files_config(tmp, shard_files(tmp / "data", paragraphs=BIG), **{"eval_every = 50": "eval_every = 0"})
+def swarm_of(tmp: Path, *coordinator_args: str, paragraphs: int = BIG) -> tuple[list[Proc], str]:
+    """A coordinator of 8 shard files (large by default) and one peer per stage, online."""
+    data = shard_files(tmp / "data", paragraphs=paragraphs)
+    config = files_config(tmp, data, **{"eval_every = 50": "eval_every = 0"})
     coordinator, url = start_coordinator(config, tmp / "coordinator.log", *coordinator_args)
     procs = [coordinator]
     for k in range(2):
@@ -255,16 +300,22 @@ def swarm_of(tmp: Path, *coordinator_args: str) -> tuple[list[Proc], str]:
 def test_one_trainer_on_a_swarm_trains_the_windows_a_trainer_alone_would_in_its_order(tmp_path: Path):
     """The coordinator leases each epoch's shards in the order a trainer reading alone takes them
     (swarm.data.epoch_order, from the run's seed): one trainer on a swarm trains the very windows, in
-    the very order, of `swarm train --local`, so that the two runs' losses compare step by step."""
-    procs, url = swarm_of(tmp_path)
+    the very order, of `swarm train --local`, so that the two runs' losses compare step by step. Across
+    an epoch's end too: an epoch of about 340 windows, above the trainer's shuffle buffer of 256, so
+    that it reads the next epoch's first shard while the last of this one are still in its buffer (a
+    coordinator that leased none of the next epoch until this one's were trained left the trainer
+    drawing from a draining buffer)."""
+    steps = 8
+    procs, url = swarm_of(tmp_path, paragraphs=40)
     try:
-        trainer = start_trainer(url, tmp_path, "a", steps=6)
+        trainer = start_trainer(url, tmp_path, "a", steps=steps)
         procs.append(trainer)
         assert trainer.popen.wait(300) == 0, trainer.output()[-3000:]
         run = load_config(tmp_path / "run.toml")
         alone = TrainStream.local(run.data, run.model.seq_len, run.training.seed)
         t = run.training
-        expected = [w for _ in range(6 * t.accumulation) for w in alone.next_microbatch(t.micro_batch).ids]
+        expected = [w for _ in range(steps * t.accumulation) for w in alone.next_microbatch(t.micro_batch).ids]
+        assert alone.source.epoch == 1, "the trainer alone never read into the next epoch"
         assert windows_of(tmp_path, "a") == expected
         assert {s for s, _ in expected} != {0}, "the epoch's first shards are the first in index order too"
     finally:

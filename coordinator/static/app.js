@@ -195,7 +195,8 @@ async function pollData() {
   if (Date.now() < dash.dataRetryAt) return;
   try {
     const c = (await getJSON("api/v1/data")).count;
-    $("data-shards").textContent = `epoch ${c.epoch}: ${c.done} done, ${c.leased} leased, ${c.free} free`;
+    const ahead = c.ahead ? `; ${c.ahead} of epoch ${c.epoch + 1} begun` : "";
+    $("data-shards").textContent = `epoch ${c.epoch}: ${c.done} done, ${c.leased} leased, ${c.free} free${ahead}`;
   } catch (err) {
     // A coordinator that cannot list the run's data leases no shards: every trainer reads them all.
     if (err instanceof NotFound) dash.dataRetryAt = Date.now() + MISSING_RETRY_MS;

@@ -42,6 +42,7 @@ class LeaseLost(RuntimeError):
 class _Held:
     lease_id: str
     shard: Shard
+    epoch: int
     offset: int
     renew_at: float  # time.monotonic() of the next renewal
 
@@ -58,7 +59,7 @@ class CoordinatorShards:
         headers = {"Authorization": bearer(join_token)} if join_token else {}
         self.join_token = join_token
         self.http = httpx.Client(headers=headers, timeout=TIMEOUT_S)
-        self._held: dict[int, _Held] = {}
+        self._held: dict[tuple[int, int], _Held] = {}  # by (shard index, epoch): one shard may be held twice
         self._lock = threading.Lock()  # the held leases
         self._send = threading.Lock()  # one report at a time: offsets reach the coordinator in order
         self._stop = threading.Event()
@@ -116,17 +117,17 @@ class CoordinatorShards:
             return self._take(lease)
         return None
 
-    def progress(self, shard: Shard, offset: int) -> None:
+    def progress(self, shard: Shard, epoch: int, offset: int) -> None:
         with self._lock:
-            held = self._held.get(shard.index)
+            held = self._held.get((shard.index, epoch))
             if held is None:
                 return
             held.offset = max(held.offset, offset)
         self._report(held)
 
-    def done(self, shard: Shard) -> None:
+    def done(self, shard: Shard, epoch: int) -> None:
         with self._lock:
-            held = self._held.pop(shard.index, None)
+            held = self._held.pop((shard.index, epoch), None)
         while held is not None and not self._stop.is_set():
             try:
                 self._renew(held, done=True)
@@ -164,11 +165,11 @@ class CoordinatorShards:
                 f"{mine}: the coordinator and this trainer see different data"
             )
         renew_at = time.monotonic() + float(lease["expires_in_s"]) / 3
-        held = _Held(lease["lease_id"], self.shards[index], int(lease["offset"]), renew_at)
+        held = _Held(lease["lease_id"], self.shards[index], int(lease["epoch"]), int(lease["offset"]), renew_at)
         with self._lock:
-            self._held[index] = held
+            self._held[index, held.epoch] = held
         log.info(f"leased shard {index} ({name}) of epoch {lease['epoch']} from window {held.offset}")
-        return held.shard, held.offset, int(lease["epoch"])
+        return held.shard, held.offset, held.epoch
 
     def _post(self, path: str, body: dict) -> dict:
         response = self.http.post(self.url + path, json=body)
@@ -192,8 +193,8 @@ class CoordinatorShards:
             self._renew(held)
         except LeaseLost as err:
             with self._lock:
-                if self._held.get(held.shard.index) is held:
-                    del self._held[held.shard.index]
+                if self._held.get((held.shard.index, held.epoch)) is held:
+                    del self._held[held.shard.index, held.epoch]
             log.warning(
                 f"lost the lease of shard {held.shard.index} (the coordinator did not hear from this trainer within "
                 f"its time to live; another trainer reads it from window {held.offset} on): {err}"
