@@ -47,7 +47,9 @@ class LeaseInfo(BaseModel):
 
 
 class LeaseAnswer(BaseModel):
-    lease: LeaseInfo | None = Field(description="null: every shard of the epoch not done is leased to a trainer now")
+    lease: LeaseInfo | None = Field(
+        description="null: every shard not done, of this epoch and of the next, is leased to a trainer now"
+    )
     retry_s: float = Field(description="with no lease: ask again after this many seconds")
 
 
