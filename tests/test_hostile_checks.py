@@ -86,8 +86,11 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_p
     config = checked_config(tmp_path, 0.5)
     swarm = Swarm(tmp_path, config)
     try:
-        swarm.add_peer("honest0a", 0)
-        swarm.add_peer("honest0b", 0)
+        # The honest peers of stage 0 are slower, so the router sends the liar most of the stage's calls.
+        # At equal speeds, with stage 1's one peer the bottleneck, two idle honest peers took every call
+        # of a CI run and the liar served none: it never lied, and nothing was there to catch.
+        swarm.add_peer("honest0a", 0, "--delay-per-sample", "0.01")
+        swarm.add_peer("honest0b", 0, "--delay-per-sample", "0.01")
         # Honest for its first 6 training forwards (a new peer's calls are all checked), then it lies
         # wherever it predicts no check.
         swarm.add_peer("liar", 0, "--corrupt-outputs", "0.5", "--lie-after", "6")
