@@ -19,6 +19,7 @@ encode of its part (weighted) and one of the average.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, BannedException
@@ -26,6 +27,8 @@ from hivemind.compression import CompressionBase, CompressionInfo, Float16Compre
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from swarm.wire import INT8_BLOCK, _int8_decode, _int8_encode
+
+log = logging.getLogger("swarm.averaging")
 
 
 class Int8BlockCompression(CompressionBase):
@@ -79,10 +82,22 @@ class ExactAllReduceRunner(AllReduceRunner):
     """hivemind 1.1.12's AllReduceRunner, but for what a reducer hands back: the average of the part,
     compressed with the averager's codec, and for its own part the same values decoded; the member's
     outputs are values to copy in, not differences to add (a part whose reducer failed keeps the
-    member's own values, as before)."""
+    member's own values, as before).
 
-    def __init__(self, *args, compression: CompressionBase, reduced_bytes, **kwargs):
+    `start_timeout`: a member that has not begun to send its parts this long after this one began is
+    left out of the round, as a sender and as a reducer. hivemind waits `sender_timeout` for it, and
+    then up to `reducer_timeout` for the parts it was to reduce; but a member that is that late has
+    not begun at all: the leader counted it in the group and it never learned so (its join request
+    failed as the leader answered: a libp2p stream reset under load), and it goes on looking for a
+    group. A 2 x 2 swarm's round then held both replicas for the whole stall bound (6 s), and the
+    other stage waited as long for their gradient norm."""
+
+    def __init__(
+        self, *args, compression: CompressionBase, reduced_bytes, start_timeout: float | None = None, **kwargs
+    ):
         super().__init__(*args, compression=compression, **kwargs)
+        self.start_timeout = start_timeout
+        self.talks: dict = {}  # peer id -> the task that sends it its part and receives the average
         self.compression = compression
         self.tensor_part_container.return_deltas = False
         # Bytes of the parts this member reduced for others: received, and their averages sent back.
@@ -95,8 +110,27 @@ class ExactAllReduceRunner(AllReduceRunner):
         with self.reduced_bytes.get_lock():
             self.reduced_bytes.value += n
 
+    async def _handle_missing_senders(self):
+        """hivemind's, but within `start_timeout` when set, and a member left out as a sender is left
+        out as a reducer too: this member stops waiting for the average of its part (keeping its own
+        values there, as for any failed reducer)."""
+        timeout = self.sender_timeout
+        if self.start_timeout is not None:
+            timeout = self.start_timeout if timeout is None else min(timeout, self.start_timeout)
+        try:
+            await asyncio.wait_for(self.all_senders_started.wait(), timeout)
+        except TimeoutError:
+            for peer_id in self.sender_peer_ids:
+                if peer_id not in self.active_senders and peer_id not in self.banned_senders:
+                    log.warning(f"peer {peer_id} did not begin its part of the all-reduce in {timeout:g} s: left out")
+                    await self._ban_sender(peer_id)
+                    talk = self.talks.get(peer_id)
+                    if talk is not None:
+                        talk.cancel()  # it registers the peer as a failed reducer as it ends
+
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
+            self.talks[peer_id] = asyncio.current_task()
             return await super()._communicate_with_peer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)

@@ -71,7 +71,7 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from peer.allreduce import COMPRESSIONS, ExactAllReduceRunner
 from peer.checkpoint import Checkpoint
 from swarm import norms
-from swarm.config import RunConfig
+from swarm.config import AveragingConfig, RunConfig
 from swarm.optim import make_optimizer, make_outer_optimizer, param_groups, primed
 from swarm.receipts import capped_weight, credible_samples, most_declared, sample_caps
 from swarm.records import (
@@ -258,8 +258,9 @@ class CappedAverages:
     ExactAllReduceRunner (every replica copies in the same average, also with a lossy codec). The caps live in the
     averager's process and come from the replica's through its control pipe (`cap`)."""
 
-    def __init__(self, *args, global_batch: int, **kwargs):
+    def __init__(self, *args, global_batch: int, start_timeout: float | None = None, **kwargs):
         self.global_batch = global_batch
+        self.start_timeout = start_timeout  # ExactAllReduceRunner: a member this late to begin is left out
         self.caps: dict[str, float] | None = None  # in the averager's process
         self.weight: float | None = None  # in the replica's process: overrides the samples accumulated
         # Bytes this replica reduced for the others in all rounds so far (ExactAllReduceRunner
@@ -333,6 +334,7 @@ class CappedAverages:
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             reduced_bytes=self.reduced_bytes,
+            start_timeout=self.start_timeout,
             **kwargs,
         )
         senders = [p.to_base58() for p in runner.sender_peer_ids]
@@ -647,6 +649,14 @@ class PartnerWatch:
         return len(steps) == len(self.partners) and all(isinstance(s, int) and s > self.step for s in steps)
 
 
+def start_timeout(a: AveragingConfig) -> float:
+    """How long after its all-reduce began a replica waits for a member of its group to begin sending
+    (ExactAllReduceRunner): one that got the group's start opens its streams at once (milliseconds on
+    a LAN, a round trip over the internet, where the matchmaking time is seconds), but on 2 busy CPU
+    cores a replica could take a second to get to it; never more than hivemind's chunk timeout."""
+    return min(a.chunk_timeout_s, max(2.0, a.matchmaking_time_s))
+
+
 def step_bits(step: int) -> str:
     """The group bits of the all-reduce that takes a stage from `step` to the next. hivemind's
     matchmaking groups the averagers whose keys match, and its key (the prefix and these bits) says
@@ -832,13 +842,12 @@ class SwarmUpdater:
             offload_optimizer=False,
             grad_compression=COMPRESSIONS[a.compression],
             grad_averager_factory=partial(
-                CappedPowerSGDAverager,
-                averager_rank=a.rank,
+                CappedPowerSGDAverager if a.compression == "powersgd" else CappedGradientAverager,
+                **({"averager_rank": a.rank} if a.compression == "powersgd" else {}),
                 averaged_grads=_grad_buffers(groups),
                 global_batch=t.global_batch,
-            )
-            if a.compression == "powersgd"
-            else partial(CappedGradientAverager, averaged_grads=_grad_buffers(groups), global_batch=t.global_batch),
+                start_timeout=start_timeout(a),
+            ),
             # Replicas apply identical steps, so averaging their parameters would change nothing; a
             # replica that missed a round loads the others' state instead (`behind`).
             average_state_every=2**31 - 1,

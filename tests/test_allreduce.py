@@ -209,3 +209,53 @@ def test_a_round_cancelled_while_its_all_reduce_runs_ends_without_killing_the_av
         assert averagers[0].raised.value == 0, "the cancelled round's step task died with an exception"
     finally:
         shut_down(nodes, averagers)
+
+
+def test_a_member_that_never_begins_its_part_is_left_out_at_the_start_timeout_not_the_chunk_timeout():
+    """A member the leader counted in the group that never began the all-reduce (its join request failed
+    as the leader answered, and it went on looking for a group): here one whose all-reduce begins 12 s
+    late. The others leave it out as a sender and as a reducer once `start_timeout` has passed, and end
+    the round among themselves, where hivemind waited the whole chunk timeout for its first part."""
+    nodes: list[hivemind.DHT] = []
+    averagers: list = []
+    delays = iter([12.0, 0.0, 0.0])
+    controls: list = []
+    try:
+        start_averagers(
+            lambda params, **kw: SlowRound(
+                params, global_batch=16, slow_s=next(delays), start_timeout=2.0, next_chunk_timeout=30.0, **kw
+            ),
+            "none",
+            "absent",
+            nodes,
+            averagers,
+        )
+        began = time.monotonic()
+        controls = [a.step(weight=w, timeout=90, wait=False) for a, w in zip(averagers, WEIGHTS, strict=True)]
+        for control in controls[1:]:
+            assert len(control.result(timeout=60)) == len(WEIGHTS)  # hivemind's group: all three
+        took = time.monotonic() - began
+        assert took < 10.0, f"the present members waited {took:.1f} s for the absent one"
+        # Each present member holds, on the parts it reduced, the average of the two present ones
+        # only: the absent member's gradient is in no part.
+        grads = [gradients(i) for i in range(len(WEIGHTS))]
+        present = [
+            sum(WEIGHTS[i] * grads[i][k] for i in (1, 2)) / (WEIGHTS[1] + WEIGHTS[2]) for k in range(len(SHAPES))
+        ]
+        with_absent = [
+            sum(w * g[k] for w, g in zip(WEIGHTS, grads, strict=True)) / sum(WEIGHTS) for k in range(len(SHAPES))
+        ]
+        for averager in averagers[1:]:
+            with averager.get_tensors() as tensors:
+                got = torch.cat([t.flatten() for t in tensors])
+            share = torch.isclose(got, torch.cat([t.flatten() for t in present]), atol=1e-5).float().mean()
+            # Two of the three members' parts (hivemind splits them evenly here); the absent one's
+            # part keeps this member's own values.
+            assert share > 0.5, f"only {share:.0%} of the values hold the present members' average"
+            wrong = torch.isclose(got, torch.cat([t.flatten() for t in with_absent]), atol=1e-5).float().mean()
+            assert wrong < 0.01, f"{wrong:.0%} of the values hold the average with the absent member"
+    finally:
+        for control in controls:
+            if not control.done():
+                control.cancel()
+        shut_down(nodes, averagers)
