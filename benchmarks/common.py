@@ -65,8 +65,13 @@ def wait_online(url: str, peers: dict[str, Proc], timeout: float = 120) -> None:
 
 
 def log_dir(path: str | None, name: str) -> Path:
-    """--log-dir, or a new /tmp/swarm-NAME-* folder; says where the logs go."""
+    """--log-dir, or a new /tmp/swarm-NAME-* folder; says where the logs go. A --log-dir that holds
+    files already is refused: the peers append to the step logs they find (`--log-steps`), and the
+    benchmark would count an earlier run's steps with this one's (an averaging run in a reused folder
+    reported twice the bytes per step, and loss ratios from two runs' curves)."""
     tmp = Path(path) if path else Path(tempfile.mkdtemp(prefix=f"swarm-{name}-"))
+    if path and tmp.is_dir() and any(tmp.iterdir()):
+        raise SystemExit(f"--log-dir {tmp}: not empty (an earlier run's logs?); give a new or empty folder")
     tmp.mkdir(parents=True, exist_ok=True)
     print(f"{name}: logs in {tmp}", flush=True)
     return tmp

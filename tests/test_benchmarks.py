@@ -21,7 +21,7 @@ import pytest
 
 from benchmarks.__main__ import BENCHMARKS
 from benchmarks.averaging import SECTION as AVERAGING_SECTION
-from benchmarks.common import averaging_spec, spec_name
+from benchmarks.common import averaging_spec, log_dir, spec_name
 from benchmarks.net import unavailable
 from benchmarks.pipeline import DELAYED_SECTION
 from benchmarks.trainers import SECTION as TRAINERS_SECTION
@@ -283,3 +283,14 @@ def test_an_averaging_variant_reads_as_its_settings_and_back(name, settings):
 def test_a_malformed_averaging_variant_is_refused_with_the_form_it_takes(name):
     with pytest.raises(argparse.ArgumentTypeError, match=r"COMPRESSION/dilocoH\[-lrLR\]\[-mM\]\[-pinned\]"):
         averaging_spec(name)
+
+
+def test_a_log_dir_with_an_earlier_runs_files_is_refused_and_left_as_it_was(tmp_path):
+    """The peers append to the step logs they find: a benchmark run in a used folder counted the
+    earlier run's steps too. A new or empty folder is taken; one with files is refused, untouched."""
+    assert log_dir(str(tmp_path / "new"), "averaging") == tmp_path / "new"
+    assert log_dir(str(tmp_path / "new"), "averaging") == tmp_path / "new"  # still empty
+    (tmp_path / "new" / "p0a.steps").write_text('{"step": 1}\n')
+    with pytest.raises(SystemExit, match="not empty"):
+        log_dir(str(tmp_path / "new"), "averaging")
+    assert (tmp_path / "new" / "p0a.steps").read_text() == '{"step": 1}\n'
