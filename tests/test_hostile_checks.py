@@ -11,6 +11,9 @@ a loopback address of its own (a machine of its own, unless two ids share one), 
   honest) or in an inner stage's Backward. The training call it lies in cannot be told from an
   unchecked one: it is outvoted and banned, each outvoted gradient is taken back and its microbatch
   redone on an honest peer, and no microbatch is applied twice.
+- The same liar while the third machine of its stage is set aside by the trainer's router (its last
+  call timed out): that machine is asked to settle the disagreement all the same, and the liar's
+  answer never goes upstream (it once did: the check stayed undecided and its answer was used).
 - Two Sybil ids on one machine tell the same lie. Votes count once per host: they can neither
   confirm each other's answers nor outvote an honest peer, and two honest machines outvote them.
 
@@ -29,13 +32,25 @@ import functools
 import json
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.ledger import count
+from coordinator.ca import RunCA
+from peer.options import Faults
+from peer.service import start_server
+from peer.worker import StageWorker
 from swarm.config import load_config
+from swarm.records import make_dht, shutdown_dht
+from swarm.trainer import Membership, SwarmCaller
+from swarm.trainer.spotcheck import SpotCheckCaller, _answer
+from swarm.verify import SpotChecks, agree
+from swarm.wire import encode
 from tests.conftest import run_cli
+from tests.test_liveness import route
 from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
 
 STEPS = 12
@@ -78,8 +93,14 @@ def assert_trained_like_the_reference(swarm: Swarm, reference: Path = TINY, step
     assert len(records) == steps and records[-1]["microbatches"] == steps * accumulation, records[-1:]
     val, ref = records[-1]["val_loss"], reference_loss(reference.read_text(), steps)
     print(f"final validation loss {val:.4f}, reference {ref:.4f}")
-    assert val <= ref * (1 + LOSS_RTOL), (val, ref)
+    assert val <= ref * (1 + LOSS_RTOL), (val, ref, records[-1], what_happened(swarm))
     return records
+
+
+def what_happened(swarm: Swarm) -> list[str]:
+    """The trainer's events a failed run is read by: its spot checks' verdicts and its failed calls."""
+    lines = swarm.trainer.output().replace("\r", "\n").splitlines()
+    return [line.strip()[:200] for line in lines if "spot check" in line or "failed (" in line]
 
 
 def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_path):
@@ -145,6 +166,64 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
         assert ledger.applied_twice == 0, ledger.summary()
     finally:
         swarm.close()
+
+
+def test_a_liar_is_outvoted_by_a_third_machine_the_router_has_just_set_aside(tmp_path):
+    """In one process: three real stage-1 workers of tiny.toml (its last stage) on loopback addresses of
+    their own, over mutual TLS, behind a trainer's spot-checking caller; one worker corrupts the input
+    gradients of its training answers. Before each call honest `b` is set aside by the router (as after
+    a timeout) and the liar is trusted more than honest `a`, so `a` answers the check and the liar the
+    training call. Every answer the caller passes on is the honest one, the liar is banned at its
+    second lie, and no check stays undecided."""
+    run = load_config(TINY)
+    ca = RunCA.load_or_create(tmp_path, run.run_id)
+    dht = make_dht()
+    ids, addresses, servers, workers = {}, {}, [], []
+    for i, name in enumerate(["a", "b", "liar"]):
+        faults = Faults(corrupt_grads=1.0) if name == "liar" else Faults()
+        worker = StageWorker(run, 1, torch.device("cpu"), faults=faults)
+        member = ca.member("peer")
+        server, _, port = start_server(worker, f"127.0.0.{11 + i}", 0, member=member)
+        workers.append(worker)
+        servers.append(server)
+        ids[name] = member.peer_id
+        addresses[member.peer_id] = f"127.0.0.{11 + i}:{port}"
+    spot = SpotChecks(run.stages.count, 1.0)
+    members = Membership(run, dht, [], spot, refresh_s=3600.0)
+    inner = SwarmCaller(run, members, lambda note: None, ca.member("trainer"), call_timeout=30.0)
+    caller = SpotCheckCaller(inner, members, spot)
+    honest = inner.client(ids["a"], addresses[ids["a"]])
+    route(inner, 1, addresses)
+    try:
+        samples, gen = 2, torch.Generator().manual_seed(0)
+        for i in range(4):
+            with members.stage(1) as (router, _):
+                for _ in range(6):  # set aside for a minute (exponential back-off)
+                    router.failed(ids["b"], samples, time.monotonic())
+            if ids["liar"] not in spot.banned:
+                spot.stages[1].passed[ids["liar"]] = 10**6
+            x = encode(torch.randn(samples, run.model.seq_len, run.model.d_model, generator=gen))
+            targets = encode(torch.randint(0, run.model.vocab_size, (samples, run.model.seq_len), generator=gen))
+            mb_id = f"microbatch-{i}"
+
+            def send(client, train, check=False, x=x, targets=targets, mb_id=mb_id):
+                scale = samples / run.training.global_batch
+                return client.forward(1, x, mb_id, 0, targets=targets, train=train, loss_scale=scale, check=check)
+
+            out, peer = caller.forward(1, samples, f"{i}.0", True, send, mb_id=mb_id)
+            assert agree(_answer(out), _answer(send(honest, False, True)), caller._rtol()), (i, peer)
+        counts = caller.counts()
+        assert counts["spot_disagreements"] == 2 and counts["spot_unresolved"] == 0, counts
+        assert spot.banned == {ids["liar"]: 1}, spot.banned
+        assert counts["outvoted_taken_back"] == counts["redone"] == 2, counts
+    finally:
+        caller.close()
+        members.close()
+        for server in servers:
+            server.stop(0)
+        for worker in workers:
+            worker.close()
+        shutdown_dht(dht)
 
 
 @pytest.mark.parametrize("honest", [1, 2])

@@ -175,8 +175,12 @@ class SpotCheckCaller:
         responses = {peer: out, checker: second}
 
         def arbiter() -> tuple[str, Answer] | None:
+            # Any routed peer of a third machine, the ones the router has set aside for a moment (a
+            # slow answer, a timeout) included: without them the check would stay undecided, and
+            # the training answer go on unjudged.
             voted = {host(peer), host(checker)}
-            others = one_per_host([p for p in peers if p not in self.spot.banned], host, taken=voted)
+            routed = [p for p in hosts if p not in self.spot.banned]
+            others = one_per_host(routed, host, taken=voted)
             if not others:
                 return None
             third, who = call(
@@ -184,8 +188,9 @@ class SpotCheckCaller:
                 samples,
                 ask,
                 prefer=self.spot.checker(stage, others),
-                avoid={p for p in peers if host(p) in voted},
+                avoid={p for p in routed if host(p) in voted},
                 timed=False,
+                strict=True,
             )
             if host(who) in voted:
                 return None
@@ -194,6 +199,8 @@ class SpotCheckCaller:
             return answers[-1]
 
         verdict = self.spot.judge(stage, answers[:2], rtol, arbiter)
+        if not verdict.agreed and verdict.odd is None:
+            event(f"spot check: stage {stage}'s answers to {name} disagree, and no third machine could settle it")
         if verdict.odd is not None:
             role = "training" if verdict.odd == peer else "check"
             event(f"spot check: peer {verdict.odd} of stage {stage} outvoted on its {role} answer to {name}")
@@ -211,7 +218,7 @@ class SpotCheckCaller:
             # The stage stepped with the outvoted gradient (or its peer would not take it back): redone
             # elsewhere, the microbatch would count twice. What goes on upstream is the agreed answer.
             return responses[agreed[0][0]], peer
-        return self._redo(stage, samples, name, mb_id, train, check, agreed, {host(peer)}, host, rtol)
+        return self._redo(stage, samples, name, mb_id, train, check, agreed, responses, {host(peer)}, host, rtol)
 
     def _redo(
         self,
@@ -222,27 +229,33 @@ class SpotCheckCaller:
         train: Callable[[StageClient], T],
         check: Check | None,
         agreed: list[tuple[str, Answer]],
+        responses: dict[str, T],
         tried: set[str],
         host: Callable[[str], str],
         rtol: float | tuple[float, ...],
     ) -> tuple[T, str]:
         """The training call of a microbatch whose training answer was outvoted, made again on a peer
         whose answer agreed, and on the next while the new answer disagrees with the agreed one (a
-        liar can answer a check honestly and lie in training calls)."""
+        liar can answer a check honestly and lie in training calls). A disagreeing answer never goes
+        on upstream: once every machine was tried, the agreed answer does (the gradient stays on the
+        last peer asked, as when an outvoted one cannot be taken back)."""
         self.redone += 1
         expected = agreed[0][1]
         while True:
             prefer = next((p for p, _ in agreed if host(p) not in tried), None)
             avoid = {p for p in self.members.live(stage) if host(p) in tried}
-            out, peer = self.inner.call(stage, samples, train, prefer=prefer, avoid=avoid, check=check)
-            if host(peer) in tried or agree(_answer(out), expected, rtol):
-                return out, peer  # (a machine tried before: no other left to ask)
+            out, peer = self.inner.call(stage, samples, train, prefer=prefer, avoid=avoid, check=check, strict=True)
+            if agree(_answer(out), expected, rtol):
+                return out, peer
+            if host(peer) in tried:  # no other machine left to ask
+                event(f"spot check: peer {peer} of stage {stage} disagreed again on {name}; the agreed answer goes on")
+                return responses[agreed[0][0]], peer
             tried.add(host(peer))
             event(f"spot check: peer {peer} of stage {stage} outvoted on its redone training answer to {name}")
             taken_back = self._take_back(stage, peer, mb_id)
             self._banned(stage, name, peer, self.spot.strike(stage, peer))
             if not taken_back:
-                return out, peer  # (as in `_checked`: redone again, it would count twice)
+                return responses[agreed[0][0]], peer  # (as in `_checked`: redone again, it would count twice)
 
     def _take_back(self, stage: int, peer: str, mb_id: str) -> bool:
         """Ask `peer` to take back the gradient its training call of microbatch `mb_id` kept; whether it did."""
@@ -281,6 +294,7 @@ class SpotCheckCaller:
             **self.inner.counts(),
             "spot_checks": self.spot.checks,
             "spot_disagreements": self.spot.disagreements,
+            "spot_unresolved": self.spot.unresolved,
             "spot_bans": self.spot.bans,
             "outvoted_taken_back": self.taken_back,
             "outvoted_kept": self.kept_outvoted,

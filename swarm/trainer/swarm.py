@@ -115,8 +115,11 @@ class SwarmCaller:
         avoid: Collection[str] = (),
         timed: bool = True,
         check: Check | None = None,
+        strict: bool = False,
     ) -> tuple[T, str]:
-        """`prefer`: try this peer first; `avoid`: these peers only when no other one is usable; `timed`:
+        """`prefer`: try this peer first; `avoid`: these peers only when no other one is usable (`strict`:
+        a peer the router has banned for a moment comes before them, as a spot check's third voter must
+        be another machine than the two that voted, however slow it just was); `timed`:
         the call's time tells the peer's training speed (False for a spot check's evaluation forward);
         `check`: raises on an answer that cannot be used.
 
@@ -139,6 +142,8 @@ class SwarmCaller:
                     peer = router.pick(samples, now, exclude=others)
                 if peer is None and avoid:
                     peer = router.pick(samples, now, exclude=tried | set(avoid))
+                    if peer is None and strict:
+                        peer = router.pick(samples, now, exclude=tried | set(avoid), banned_ok=True)
                 if peer is None:
                     peer = router.pick(samples, now, exclude=tried)
                 if peer is None:  # every live peer not tried yet is banned: ask the first to come back
