@@ -52,7 +52,7 @@ import multiprocessing
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import InvalidStateError
 from functools import partial
 
@@ -185,6 +185,9 @@ class LocalUpdater:
 
     def ready(self, pending: int) -> bool:
         return pending >= self.run.training.global_batch
+
+    def orphaned(self, pending: int) -> bool:
+        return False
 
     def started(self, pending: int) -> bool:
         return pending > 0
@@ -543,6 +546,14 @@ class NormExchange:
             self.members_read[stage] = (time.monotonic(), members)
         return members
 
+    def others(self, step: int, stored: Sequence[NormShare] = ()) -> dict[int, float]:
+        """The other stages' shares of `step` this node has (stage -> squared norm): those pushed to it,
+        and `stored` (read from the DHT). Each stage's share is the median of its members' (one share
+        per sender: a pushed one and its DHT record say the same)."""
+        found = {s.peer_id: s for s in [*stored, *norms.received(self.dht, self.run_id, step)]}
+        wanted = {s.stage for s in found.values() if s.stage < self.stages} - {self.stage}
+        return stage_norms(list(found.values()), step, {k: self.members(k) for k in wanted})
+
     def __call__(self, squared: float) -> float:
         if self.stages == 1:
             return math.sqrt(squared)
@@ -553,10 +564,7 @@ class NormExchange:
         while True:
             if time.monotonic() - stored_at > self.DHT_READ_AFTER_S:
                 stored, stored_at = read_norm_shares(self.dht, self.run_id, self.step), time.monotonic()
-            # One share per sender: a pushed one and its DHT record say the same.
-            found = {s.peer_id: s for s in [*stored, *norms.received(self.dht, self.run_id, self.step)]}
-            wanted = {s.stage for s in found.values() if s.stage < self.stages} - {self.stage}
-            shares = stage_norms(list(found.values()), self.step, {k: self.members(k) for k in wanted})
+            shares = self.others(self.step, stored)
             # This stage's own share is the one just computed: the replicas of a stage average the same
             # gradient, so the stage's median is this number (and a lying member cannot move it here).
             shares[self.stage] = squared
@@ -784,6 +792,7 @@ class SwarmUpdater:
         self.run, self.stage, self.module, self.declared = run, stage, module, declared
         self.credible_at = (0.0, 0)  # when the stage's credible sample count was last read, and what it was
         self.lagging_at = (0.0, False)  # diloco: when the partners' steps were last read, and whether one lags
+        self.orphaned_at = (0.0, False)  # when `orphaned` last looked, and what it found
         self.liars: set[str] = set()  # peers whose progress reports claimed more than any replica holds
         t, a = run.training, run.averaging
         self.prefix = averaging_prefix(run.run_id, stage)
@@ -929,6 +938,26 @@ class SwarmUpdater:
         # diloco, an outer step: the DHT reads and pings only once the count is there.
         outer = self.diloco and (self.epoch + 1) % self.run.averaging.inner_steps == 0
         return counted and not (outer and self._partner_lagging())
+
+    def orphaned(self, pending: int) -> bool:
+        """The count falls short, and what it lacks died with the stage's other replicas: this one holds
+        samples, every other stage has published its gradient norm of this step (their part of the
+        step's work is done: the first stage's backward is the step's last work), and the replicas
+        hivemind's tracker still lists answer no ping. A replica killed after it answered its calls
+        takes their gradients with it, and its last progress report may not count them: the count
+        would not come until the stepper's sync timeout, while the other stages wait for this one's
+        norm as long (a survivor of a 2 x 2 swarm stepped 11 s after the kill). Looked at most every
+        0.5 s; the pings only once the rest holds."""
+        read_at, orphaned = self.orphaned_at
+        if pending == 0 or self.run.stages.count == 1 or time.monotonic() - read_at < 0.5:
+            return orphaned and pending > 0
+        others = set(range(self.run.stages.count)) - {self.stage}
+        orphaned = set(self.norms.others(self.epoch)) >= others
+        if orphaned:
+            tracked = tracked_partners(self.opt)
+            orphaned = bool(tracked) and not live_partners(self.opt, tracked)
+        self.orphaned_at = (time.monotonic(), orphaned)
+        return orphaned
 
     def _credible(self, pending: int) -> int:
         """The samples the stage holds toward this replica's step, leaving out the progress reports that

@@ -62,6 +62,8 @@ from swarm.config import RunConfig
 
 log = logging.getLogger(__name__)
 
+ORPHAN_QUIET_S = 1.0  # no gradient work for this long before a step short of its count is taken (`_orphaned`)
+
 
 class Updater(Protocol):
     """Turns a stage's accumulated gradients into optimizer steps. `pending` is the number of samples
@@ -96,6 +98,10 @@ class Updater(Protocol):
 
     def ready(self, pending: int) -> bool:
         """Time to take the step: the stage served its global batch."""
+
+    def orphaned(self, pending: int) -> bool:
+        """The stage's count falls short and what it lacks is gone: the other stages finished the step
+        and the replicas that served the rest are dead (the step is then taken short, `force`)."""
 
     def started(self, pending: int) -> bool:
         """Some replica of the stage served samples toward the current step."""
@@ -227,6 +233,7 @@ class Stepper:
         self.samples_served = 0  # samples whose gradients were accumulated
         self.samples_pending = 0  # ... since the last optimizer step
         self.waited_s = 0.0  # time the compute thread spent in catch_up waiting for a step
+        self.served_at = 0.0  # when gradient work was last served (time.monotonic)
         self._next_resync = 0.0
         self._resynced_at: int | None = None  # this replica's step when a request last had it resync
         # The step the swarm's other machines announce (swarm/steps.py `others_step`), kept current by
@@ -262,6 +269,7 @@ class Stepper:
     def served(self, microbatch_ids: list[str], samples: int) -> None:
         """These microbatches' gradients were accumulated (set aside, while a step runs). Under the lock."""
         self.samples_served += samples
+        self.served_at = time.monotonic()
         if self.stepping is not None:
             self.stepping.samples += samples
             self.stepping.ids.extend(microbatch_ids)
@@ -340,6 +348,9 @@ class Stepper:
             elif self.updater.ready(self.samples_pending):
                 with self.lock:
                     self._step()
+            elif self._orphaned():
+                with self.lock:
+                    self._step(force=True)
             elif time.monotonic() > deadline:
                 if self.updater.started(self.samples_pending):
                     with self.lock:
@@ -369,6 +380,15 @@ class Stepper:
         elif self.updater.ready(self.samples_pending):
             with self.lock:
                 self._step()
+        elif self._orphaned():
+            with self.lock:
+                self._step(force=True)
+
+    def _orphaned(self) -> bool:
+        """The updater says the rest of the step's samples died with other replicas, and no gradient work
+        came for ORPHAN_QUIET_S (a trainer retrying a dead replica's call sends it here meanwhile)."""
+        quiet = time.monotonic() - self.served_at > ORPHAN_QUIET_S
+        return quiet and self.samples_pending > 0 and self.updater.orphaned(self.samples_pending)
 
     def resync(self) -> None:
         """Replace this replica's state by the stage's. Gradients served toward the step the stage is

@@ -459,27 +459,35 @@ def replica_and_idle_partner(tmp_path):
     replica and the partner's process."""
     _, run = config_with(tmp_path, FAST_AVERAGING + "averaging_timeout_s = 120.0\nsync_timeout_s = 1.0\n")
     stage = StageOne(run)
-    idle = None
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(stage.close)
         a = stage.replica(stage.node(stage=1))
-        prefix = averaging_prefix(run.run_id, 1)
-        args = [sys.executable, "-c", IDLE_PARTNER, prefix, str(run.training.global_batch), *visible_maddrs(a.opt.dht)]
-        idle = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        idle = stack.enter_context(idle_partner(a))
+        for p in a.module.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        yield a, idle
+
+
+@contextlib.contextmanager
+def idle_partner(a: SwarmUpdater):
+    """An IDLE_PARTNER of replica `a` (its process, in a session of its own), once `a` sees it live and
+    counted; killed with its DHT node and p2pd at the end."""
+    run = a.run
+    prefix = averaging_prefix(run.run_id, 1)
+    args = [sys.executable, "-c", IDLE_PARTNER, prefix, str(run.training.global_batch), *visible_maddrs(a.opt.dht)]
+    idle = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
         assert idle.stdout.readline().strip() == "reporting"
         a.opt.tracker.report_local_progress(a.epoch, 1)  # as serving does
         deadline = time.monotonic() + 30
         while not live_partners(a.opt) or a.opt.tracker.global_progress.num_peers < 2:
             assert time.monotonic() < deadline, "the replica never saw its partner"
             time.sleep(0.1)
-        for p in a.module.parameters():
-            p.grad = torch.full_like(p, 1e-3)
-        yield a, idle
+        yield idle
     finally:
-        if idle is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(idle.pid, signal.SIGKILL)  # its DHT node and p2pd too
-            idle.wait()
-        stage.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(idle.pid, signal.SIGKILL)  # its DHT node and p2pd too
+        idle.wait()
 
 
 def step_until_taken(replica: SwarmUpdater, samples: int, timeout: float, force: bool = False) -> int:
@@ -565,6 +573,51 @@ def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_r
         time.sleep(2.0)  # fetches every 0.25 to 0.5 s
         assert tracked_partners(a.opt), "the dead partner's report expired already: nothing was tested"
         assert a.opt.tracker.global_progress.num_peers <= 1, a.opt.tracker.global_progress
+
+
+def test_a_step_whose_missing_samples_died_with_a_partner_is_taken_once_the_other_stages_are_done(tmp_path):
+    """A real worker of stage 1 (of 2) serves half a global batch; its partner, which reported one
+    sample (a replica killed after it answered its calls, before its report counted them), holds the
+    rest. Stage 0 publishes its gradient norm of the step: its part of the step is done. While the
+    partner lives, the worker waits for its report; once the partner is killed (its report stays in
+    the DHT until it expires), what the count lacks died with it, and the worker takes the step short,
+    at once. It used to wait until work for the next step came and then `sync_timeout_s` more (60 s
+    here; in a 2 x 2 swarm, 5 s, while stage 0 waited as long for this stage's norm): no work comes in
+    this test, so the old worker never steps."""
+    _, run = config_with(tmp_path, FAST_AVERAGING + "averaging_timeout_s = 120.0\nsync_timeout_s = 60.0\n")
+    t = run.training
+    stage = StageOne(run)
+    stage.node()  # the bootstrap node
+    stage0 = stage.node(stage=0)
+    steps_log = tmp_path / "steps.jsonl"
+    worker = StageWorker(run, 1, torch.device("cpu"), dht=stage.node(stage=1), faults=Faults(log_steps=steps_log))
+
+    def steps_taken() -> list[list[str]]:
+        lines = steps_log.read_text().splitlines() if steps_log.exists() else []
+        return [json.loads(line)["microbatches"] for line in lines]
+
+    try:
+        with idle_partner(worker.updater) as partner:
+            half = [f"a{i}" for i in range(t.accumulation // 2)]
+            for name in half:
+                x = torch.randn(t.micro_batch, 16, run.model.d_model)
+                y = torch.randint(0, run.model.vocab_size, (t.micro_batch, 16))
+                worker.submit(ForwardWork(x, y, True, t.micro_batch / t.global_batch, name, 0)).result(timeout=60)
+            NormExchange(stage0, run.run_id, run.stages.count, 0, timeout=30).publish(0, 1.0)
+            time.sleep(4.0)  # the quiet time and a few looks: the partner answers its pings
+            assert steps_taken() == [], "stepped short of the count while the partner that holds the rest lived"
+            os.killpg(partner.pid, signal.SIGKILL)
+            partner.wait()
+            killed = time.monotonic()
+            assert tracked_partners(worker.updater.opt), "the partner's report expired already: nothing was tested"
+            while not steps_taken():
+                assert time.monotonic() - killed < 20, "no step 20 s after the partner holding the rest died"
+                time.sleep(0.05)
+        assert steps_taken() == [half]
+        assert worker.updater.last_step["samples"] == t.global_batch // 2
+    finally:
+        worker.close()
+        stage.close()
 
 
 def drifted_log(line: str) -> bool:
