@@ -792,7 +792,7 @@ class SwarmUpdater:
         self.run, self.stage, self.module, self.declared = run, stage, module, declared
         self.credible_at = (0.0, 0)  # when the stage's credible sample count was last read, and what it was
         self.lagging_at = (0.0, False)  # diloco: when the partners' steps were last read, and whether one lags
-        self.orphaned_at = (0.0, False)  # when `orphaned` last looked, and what it found
+        self.orphaned_at = (0.0, -1, False)  # when `orphaned` last looked, at which step, and what it found
         self.liars: set[str] = set()  # peers whose progress reports claimed more than any replica holds
         t, a = run.training, run.averaging
         self.prefix = averaging_prefix(run.run_id, stage)
@@ -940,23 +940,26 @@ class SwarmUpdater:
         return counted and not (outer and self._partner_lagging())
 
     def orphaned(self, pending: int) -> bool:
-        """The count falls short, and what it lacks died with the stage's other replicas: this one holds
-        samples, every other stage has published its gradient norm of this step (their part of the
-        step's work is done: the first stage's backward is the step's last work), and the replicas
-        hivemind's tracker still lists answer no ping. A replica killed after it answered its calls
-        takes their gradients with it, and its last progress report may not count them: the count
-        would not come until the stepper's sync timeout, while the other stages wait for this one's
-        norm as long (a survivor of a 2 x 2 swarm stepped 11 s after the kill). Looked at most every
-        0.5 s; the pings only once the rest holds."""
-        read_at, orphaned = self.orphaned_at
-        if pending == 0 or self.run.stages.count == 1 or time.monotonic() - read_at < 0.5:
-            return orphaned and pending > 0
+        """The count falls short, and what it lacks died with the stage's other replicas: every other
+        stage has published its gradient norm of this step (their part of the step's work is done: the
+        first stage's backward is the step's last work), and the replicas hivemind's tracker still
+        lists answer no ping. A replica killed after it answered its calls takes their gradients with
+        it, and its last progress report may not count them: the count would not come until the
+        stepper's sync timeout, while the other stages wait for this one's norm as long (a survivor of
+        a 2 x 2 swarm stepped 11 s after the kill); and a survivor that served none of the step (the
+        dead one served it all, and stepped) waited as long for a state nobody is left to give.
+        Looked at most every 0.5 s; the pings only once the rest holds."""
+        read_at, epoch, orphaned = self.orphaned_at
+        if self.run.stages.count == 1:
+            return False
+        if epoch == self.epoch and time.monotonic() - read_at < 0.5:
+            return orphaned
         others = set(range(self.run.stages.count)) - {self.stage}
         orphaned = set(self.norms.others(self.epoch)) >= others
         if orphaned:
             tracked = tracked_partners(self.opt)
             orphaned = bool(tracked) and not live_partners(self.opt, tracked)
-        self.orphaned_at = (time.monotonic(), orphaned)
+        self.orphaned_at = (time.monotonic(), self.epoch, orphaned)
         return orphaned
 
     def _credible(self, pending: int) -> int:

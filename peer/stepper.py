@@ -101,7 +101,8 @@ class Updater(Protocol):
 
     def orphaned(self, pending: int) -> bool:
         """The stage's count falls short and what it lacks is gone: the other stages finished the step
-        and the replicas that served the rest are dead (the step is then taken short, `force`)."""
+        and the replicas that served the rest are dead (the step is then taken short, `force`, or with
+        nothing when this replica served none of it)."""
 
     def started(self, pending: int) -> bool:
         """Some replica of the stage served samples toward the current step."""
@@ -343,14 +344,14 @@ class Stepper:
 
     def _wait_for(self, step: int, deadline: float) -> None:
         while self.optimizer_steps < step and not self.stopped():
-            if self.updater.behind(self.samples_pending):
+            if self._orphaned():  # (before `behind`: nobody is left to load the state from)
+                with self.lock:
+                    self._step(force=True)
+            elif self.updater.behind(self.samples_pending):
                 self.resync()
             elif self.updater.ready(self.samples_pending):
                 with self.lock:
                     self._step()
-            elif self._orphaned():
-                with self.lock:
-                    self._step(force=True)
             elif time.monotonic() > deadline:
                 if self.updater.started(self.samples_pending):
                     with self.lock:
@@ -373,22 +374,29 @@ class Stepper:
 
     def maybe_step(self) -> None:
         """Step when the stage has served its batch; resync (at most every 2 s) when behind."""
-        if self.updater.behind(self.samples_pending):
+        if self._orphaned():  # (before `behind`: nobody is left to load the state from)
+            with self.lock:
+                self._step(force=True)
+        elif self.updater.behind(self.samples_pending):
             if time.monotonic() >= self._next_resync:
                 self._next_resync = time.monotonic() + 2
                 self.resync()
         elif self.updater.ready(self.samples_pending):
             with self.lock:
                 self._step()
-        elif self._orphaned():
-            with self.lock:
-                self._step(force=True)
 
     def _orphaned(self) -> bool:
-        """The updater says the rest of the step's samples died with other replicas, and no gradient work
-        came for ORPHAN_QUIET_S (a trainer retrying a dead replica's call sends it here meanwhile)."""
+        """The updater says the rest of the step's samples (all of them, when this replica holds none)
+        died with other replicas, and no gradient work came for ORPHAN_QUIET_S (a trainer retrying a
+        dead replica's call sends it here meanwhile)."""
         quiet = time.monotonic() - self.served_at > ORPHAN_QUIET_S
-        return quiet and self.samples_pending > 0 and self.updater.orphaned(self.samples_pending)
+        if not (quiet and self.updater.orphaned(self.samples_pending)):
+            return False
+        log.info(
+            f"stage {self.stage_index} step {self.optimizer_steps}: the rest of its batch died with the replicas "
+            f"that served it; stepping with {self.samples_pending} samples"
+        )
+        return True
 
     def resync(self) -> None:
         """Replace this replica's state by the stage's. Gradients served toward the step the stage is

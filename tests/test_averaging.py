@@ -575,15 +575,16 @@ def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_r
         assert a.opt.tracker.global_progress.num_peers <= 1, a.opt.tracker.global_progress
 
 
-def test_a_step_whose_missing_samples_died_with_a_partner_is_taken_once_the_other_stages_are_done(tmp_path):
-    """A real worker of stage 1 (of 2) serves half a global batch; its partner, which reported one
-    sample (a replica killed after it answered its calls, before its report counted them), holds the
-    rest. Stage 0 publishes its gradient norm of the step: its part of the step is done. While the
-    partner lives, the worker waits for its report; once the partner is killed (its report stays in
-    the DHT until it expires), what the count lacks died with it, and the worker takes the step short,
-    at once. It used to wait until work for the next step came and then `sync_timeout_s` more (60 s
-    here; in a 2 x 2 swarm, 5 s, while stage 0 waited as long for this stage's norm): no work comes in
-    this test, so the old worker never steps."""
+@pytest.mark.parametrize("served", ["half", "none"])
+def test_a_step_whose_missing_samples_died_with_a_partner_is_taken_once_the_other_stages_are_done(tmp_path, served):
+    """A real worker of stage 1 (of 2) serves half a global batch, or none of it; its partner, which
+    reported one sample (a replica killed after it answered its calls, before its report counted
+    them), holds the rest. Stage 0 publishes its gradient norm of the step: its part of the step is
+    done. While the partner lives, the worker waits for it; once the partner is killed (its report
+    stays in the DHT until it expires), what the count lacks died with it, and the worker takes the
+    step short (or with nothing), at once. It used to wait until work for the next step came and then
+    `sync_timeout_s` more (60 s here; in a 2 x 2 swarm, 5 s, while stage 0 waited as long for this
+    stage's norm): no work comes in this test, so the old worker never steps."""
     _, run = config_with(tmp_path, FAST_AVERAGING + "averaging_timeout_s = 120.0\nsync_timeout_s = 60.0\n")
     t = run.training
     stage = StageOne(run)
@@ -598,7 +599,7 @@ def test_a_step_whose_missing_samples_died_with_a_partner_is_taken_once_the_othe
 
     try:
         with idle_partner(worker.updater) as partner:
-            half = [f"a{i}" for i in range(t.accumulation // 2)]
+            half = [f"a{i}" for i in range(t.accumulation // 2)] if served == "half" else []
             for name in half:
                 x = torch.randn(t.micro_batch, 16, run.model.d_model)
                 y = torch.randint(0, run.model.vocab_size, (t.micro_batch, 16))
@@ -614,7 +615,7 @@ def test_a_step_whose_missing_samples_died_with_a_partner_is_taken_once_the_othe
                 assert time.monotonic() - killed < 20, "no step 20 s after the partner holding the rest died"
                 time.sleep(0.05)
         assert steps_taken() == [half]
-        assert worker.updater.last_step["samples"] == t.global_batch // 2
+        assert worker.updater.last_step["samples"] == t.micro_batch * len(half)
     finally:
         worker.close()
         stage.close()
