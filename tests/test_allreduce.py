@@ -233,11 +233,15 @@ def test_a_member_that_never_begins_its_part_is_left_out_at_the_start_timeout_no
         began = time.monotonic()
         controls = [a.step(weight=w, timeout=90, wait=False) for a, w in zip(averagers, WEIGHTS, strict=True)]
         for control in controls[1:]:
-            assert len(control.result(timeout=60)) == len(WEIGHTS)  # hivemind's group: all three
+            group = control.result(timeout=60)
+            assert len(group) == len(WEIGHTS), f"hivemind grouped {len(group)} members, not all three"
         took = time.monotonic() - began
+        # The matchmaking, the start timeout and the round; the old runner waited the 12 s.
         assert took < 10.0, f"the present members waited {took:.1f} s for the absent one"
-        # Each present member holds, on the parts it reduced, the average of the two present ones
-        # only: the absent member's gradient is in no part.
+        # Each present member holds, on the parts the present members reduced, the average of the two
+        # present ones, and its own values on the absent member's part: the absent member's gradient
+        # is in no part. (hivemind's load balancing does not always split the parts evenly: 5% of the
+        # values went to the present members' parts in one run, 2/3 in most.)
         grads = [gradients(i) for i in range(len(WEIGHTS))]
         present = [
             sum(WEIGHTS[i] * grads[i][k] for i in (1, 2)) / (WEIGHTS[1] + WEIGHTS[2]) for k in range(len(SHAPES))
@@ -245,13 +249,13 @@ def test_a_member_that_never_begins_its_part_is_left_out_at_the_start_timeout_no
         with_absent = [
             sum(w * g[k] for w, g in zip(WEIGHTS, grads, strict=True)) / sum(WEIGHTS) for k in range(len(SHAPES))
         ]
-        for averager in averagers[1:]:
+        for i, averager in enumerate(averagers[1:], start=1):
             with averager.get_tensors() as tensors:
                 got = torch.cat([t.flatten() for t in tensors])
             share = torch.isclose(got, torch.cat([t.flatten() for t in present]), atol=1e-5).float().mean()
-            # Two of the three members' parts (hivemind splits them evenly here); the absent one's
-            # part keeps this member's own values.
-            assert share > 0.5, f"only {share:.0%} of the values hold the present members' average"
+            own = torch.isclose(got, torch.cat([g.flatten() for g in grads[i]]), atol=1e-5).float().mean()
+            assert share > 0, f"no value holds the present members' average ({own:.0%} its own)"
+            assert share + own > 0.99, f"{share:.0%} hold the present members' average and {own:.0%} its own"
             wrong = torch.isclose(got, torch.cat([t.flatten() for t in with_absent]), atol=1e-5).float().mean()
             assert wrong < 0.01, f"{wrong:.0%} of the values hold the average with the absent member"
     finally:
