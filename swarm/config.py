@@ -216,9 +216,15 @@ class AveragingConfig(_Strict):
     inner_steps: int = Field(
         10, ge=1, le=100_000, description="diloco: local steps between two averagings (H): H-fold fewer bytes averaged"
     )
-    outer_lr: float = Field(0.7, gt=0, le=10, description="diloco: the outer step's learning rate")
+    # At H = 10 the outer step that trained best was the plain average of the replicas' weights
+    # (outer_lr 1, no momentum): see the README's DiLoCo paragraph and benchmarks/results.md.
+    outer_lr: float = Field(1.0, gt=0, le=10, description="diloco: the outer step's learning rate")
     outer_momentum: float = Field(
-        0.5, ge=0, lt=1, description="diloco: the outer step's Nesterov momentum (DiLoCo's 0.9 suits H in the hundreds)"
+        0.0,
+        ge=0,
+        lt=1,
+        description="diloco: the outer step's Nesterov momentum (0: none; DiLoCo's 0.9 with outer_lr 0.7 suits H "
+        "in the hundreds)",
     )
     paths: Literal["routed", "pinned"] = Field(
         "routed",

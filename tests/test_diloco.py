@@ -30,16 +30,30 @@ H = 3  # inner steps per phase
 ROUND_S = 60.0  # averaging_timeout_s
 
 
-@pytest.fixture
-def stage_one(tmp_path):
+def diloco_stage(tmp_path, outer: str) -> StageOne:
+    """Stage 1 of a DiLoCo run with H inner steps; `outer`: the [averaging] lines of the outer step."""
     # A round that waited for a replica that left would last averaging_timeout_s: far above a step's time.
     # A group is complete, and its round starts, once every live replica has joined (`expect`); the
     # matchmaking time bounds only how long the leader waits for one that is slow to join: at 0.5 s,
     # a joiner on a loaded 2-core CI machine once missed the outer round of the other two.
     fast = FAST_AVERAGING.replace("matchmaking_time_s = 0.5", "matchmaking_time_s = 2.0")
-    extra = fast + f'mode = "diloco"\ninner_steps = {H}\nsync_timeout_s = 1.0\naveraging_timeout_s = {ROUND_S}\n'
+    extra = fast + f'mode = "diloco"\ninner_steps = {H}\n{outer}sync_timeout_s = 1.0\naveraging_timeout_s = {ROUND_S}\n'
     _, run = config_with(tmp_path, extra)
-    stage = StageOne(run)
+    return StageOne(run)
+
+
+@pytest.fixture
+def stage_one(tmp_path):
+    """With an outer Nesterov momentum, so that its handling (joiners, checkpoints) is tested."""
+    stage = diloco_stage(tmp_path, "outer_lr = 0.7\nouter_momentum = 0.5\n")
+    yield stage
+    stage.close()
+
+
+@pytest.fixture
+def plain_stage(tmp_path):
+    """With the default outer step: outer_lr 1 and no momentum, the plain average of the replicas' weights."""
+    stage = diloco_stage(tmp_path, "")
     yield stage
     stage.close()
 
@@ -181,6 +195,36 @@ def test_a_checkpoint_taken_at_an_outer_step_gives_back_the_outer_momentum(stage
     assert a.epoch == H
     for p, m in zip(a.held.parameters(), momentum, strict=True):
         assert torch.equal(outer.state[p]["momentum_buffer"], m)
+
+
+def test_the_default_outer_step_is_the_average_of_the_inner_weights_and_joiners_and_checkpoints_take_it(
+    plain_stage, tmp_path
+):
+    """outer_lr 1 without momentum: the outer optimizer holds no state; the outer step leaves every
+    replica at the mean of their inner weights, a joiner mid-phase loads them, and a checkpoint
+    taken at the outer step gives them back."""
+    run, st = plain_stage.run, plain_stage
+    assert (run.averaging.outer_lr, run.averaging.outer_momentum) == (1.0, 0.0)
+    a, b, start, ga, gb, half = two_replicas(st)
+    for _ in range(H):
+        take_step([a, b], [ga, gb], half)
+    assert a.last_step["group"] == b.last_step["group"] == 2, (a.last_step, b.last_step)
+    inner_a = inner_phase(run, start, [ga] * H, 0)
+    inner_b = inner_phase(run, start, [gb] * H, 0)
+    for got, x, y in zip(weights(a.module), inner_a, inner_b, strict=True):
+        assert torch.allclose(got, (x + y) / 2, atol=1e-6), (got - (x + y) / 2).abs().max()
+    assert all(torch.equal(x, y) for x, y in zip(weights(a.module), weights(b.module), strict=True))
+    assert not a.outer_optimizer.state, "an outer SGD without momentum keeps no state"
+    outer = weights(a.held)
+
+    saved = write_checkpoint(tmp_path, run, 1, Snapshot.take(a.module, a.optimizer, a.epoch, a.outer_optimizer))
+    take_step([a, b], [ga, gb], half)  # an inner step of the next phase: a's weights move off the outer ones
+    c = st.replica(st.node(stage=1))  # a joiner mid-phase
+    assert c.epoch == H + 1
+    assert all(torch.equal(x, y) for x, y in zip(weights(c.module), outer, strict=True)), "not the outer weights"
+    a.load_checkpoint(check_checkpoint(saved, run, 1))
+    assert a.epoch == H
+    assert all(torch.equal(x, y) for x, y in zip(weights(a.held), outer, strict=True))
 
 
 def test_a_joiner_mid_phase_takes_the_outer_weights_and_momentum_and_ends_the_next_phase_equal(stage_one):
