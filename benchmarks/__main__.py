@@ -20,6 +20,7 @@ BENCHMARKS = {
     "failover": "2 peers per stage, one killed: tokens/s before and after, recovery time",
     "fuzz": "random and mutated requests to the stage service and the REST API",
     "local": "the reference trainer: tokens/s and memory",
+    "outer": "DiLoCo's outer step alone, R whole-model replicas in one process, over seeds: loss vs the reference",
     "pipeline": "2 stage workers + trainer vs the reference trainer: tokens/s",
     "rebalance": "peers of different speeds find the balanced assignment",
     "simulate": "1,000 simulated peers with churn, decided by the real policies: throughput vs an oracle",

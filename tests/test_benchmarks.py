@@ -46,6 +46,10 @@ TINY = {
     "failover": ["--steps", "20", "--warmup-s", "3", "--settle-s", "2", "--window", "2", "--hold", "2", *LOGS],
     "fuzz": ["--cases", "30", *LOGS],
     "local": ["--config", "configs/tiny.toml", "--steps", "3", "--warmup", "1"],
+    "outer": [
+        *("--steps", "4", "--seeds", "2", "--variants", "int8/diloco2-lr1-m0,none/diloco2-lr0.7-m0.5"),
+        *("--tail", "2", "--eval-batches", "2"),
+    ],
     "pipeline": [
         *("--config", "configs/tiny.toml", "--steps", "2", "--warmup", "1", "--codecs", "none,int8"),
         "--delayed-updates",
@@ -114,6 +118,7 @@ ORDER = [
     ),
     "data",
     "local",
+    "outer",
     "simulate",
 ]
 
@@ -294,3 +299,52 @@ def test_a_log_dir_with_an_earlier_runs_files_is_refused_and_left_as_it_was(tmp_
     with pytest.raises(SystemExit, match="not empty"):
         log_dir(str(tmp_path / "new"), "averaging")
     assert (tmp_path / "new" / "p0a.steps").read_text() == '{"step": 1}\n'
+
+
+def test_the_outer_benchmarks_reference_is_the_reference_trainers_update():
+    """`python -m benchmarks outer` compares each variant with its own loop at one replica and no outer
+    step: that loop must give the losses `swarm train --local` gives, or the ratios measure nothing."""
+    from tqdm import tqdm
+
+    from benchmarks.outer import train
+    from swarm.trainer.local import train_local
+
+    run = load_config(ROOT / "configs" / "tiny.toml").with_stages(1)
+    records = train_local(run, 3)
+    with tqdm(disable=True) as bar:
+        final, _ = train(run, 3, 1, 3, 2, bar)
+    assert final == pytest.approx(sum(r["loss"] for r in records) / 3, rel=1e-5)
+
+
+@pytest.mark.parametrize("codec, tolerance", [("none", 1e-6), ("int8", 0.02)])
+def test_the_outer_benchmarks_outer_step_at_lr_1_without_momentum_is_the_replicas_average(codec, tolerance):
+    """`outer_step`: the pseudo-gradients averaged through the codec and the outer optimizer's step;
+    at outer_lr 1 without momentum the outer weights land on the replicas' mean (within int8's
+    rounding, 1/127 of a block's largest pseudo-gradient of 0.3), and every replica takes them."""
+    import torch
+
+    from benchmarks.outer import outer_step
+    from swarm.model import Stage
+    from swarm.optim import make_outer_optimizer
+
+    run = load_config(ROOT / "configs" / "tiny.toml").with_stages(1)
+    outer_module, replicas = Stage(run, 0), [Stage(run, 0), Stage(run, 0)]
+    start = [p.detach().clone() for p in outer_module.parameters()]
+    with torch.no_grad():
+        for m, shift in zip(replicas, (0.1, 0.3), strict=True):
+            for p, s in zip(m.parameters(), start, strict=True):
+                p.copy_(s - shift)
+    assert (run.averaging.outer_lr, run.averaging.outer_momentum) == (1.0, 0.0)  # the defaults
+    outer_step(outer_module, replicas, make_outer_optimizer(outer_module.parameters(), run), codec)
+    for p, s in zip(outer_module.parameters(), start, strict=True):
+        assert (p - (s - 0.2)).abs().max() <= tolerance
+    for m in replicas:
+        assert all(torch.equal(p, q) for p, q in zip(m.parameters(), outer_module.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("text", ["powersgd/diloco10", "int8", "int8/diloco10-pinned", ""])
+def test_the_outer_benchmark_refuses_a_variant_it_cannot_run(text):
+    from benchmarks.outer import variants
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        variants(text)
