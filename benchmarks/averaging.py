@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> str:
         run_dir.mkdir(exist_ok=True)
         config = run_dir / "run.toml"
         config.write_text(variant(Path(args.config), codec, averaging, args.matchmaking, args.eval_batches))
-        load_config(config)  # refuse a broken variant before starting processes
+        outer = load_config(config).averaging  # refuses a broken variant before starting processes
         print(f"swarm: {cfg.stages.count} stages x {args.replicas} replicas, wire {codec}, averaging {averaging}")
         records, wall, moved = run_swarm(config, cfg.stages.count, args.replicas, args.steps, run_dir)
         curves[f"swarm {cfg.stages.count}x{args.replicas}, {codec}/{averaging}"] = records
@@ -229,6 +229,11 @@ def run(args: argparse.Namespace) -> str:
                     f"{per_param / tokens:.2e}",
                     f"goal ratio <= {1 + goal:.2f}: {met}; final loss = mean of the last {args.tail} steps; "
                     + (f"val ratio {val_ratio:.4f} on {args.eval_batches} batches; " if val_ratio else "")
+                    + (
+                        f"outer_lr {outer.outer_lr:g}, outer momentum {outer.outer_momentum:g}; "
+                        if mode != "gradients"
+                        else ""
+                    )
                     + f"{moved / 1e6:.1f} MB averaged over {params:,} parameters; "
                     f"matchmaking {args.matchmaking} s, loopback, 1 torch thread per peer",
                 ],

@@ -234,6 +234,7 @@ def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
     assert load_config(results.parent / "logs" / "local.toml").training.eval_batches == 16
     assert "final model's held-out loss (outer weights)" in diloco["notes"], diloco
     assert "on 16 batches" in every["notes"] and "training loss" in every["notes"], every
+    assert "outer_lr 1, outer momentum 0;" in diloco["notes"] and "outer_lr" not in every["notes"], rows
     per_step = float(every["averaging bytes / param / step"])
     assert 0.5 < per_step < 4, every
     # One int8 round in the 3 steps: about 2 bytes a value over 3 steps. (The gradients run may have
