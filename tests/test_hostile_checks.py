@@ -70,12 +70,13 @@ def reference_loss(config_text: str, steps: int) -> float:
         return json.loads(log.read_text().splitlines()[-1])["val_loss"]
 
 
-def checked_config(tmp: Path, fraction: float, stages: int = 2) -> Path:
+def checked_config(tmp: Path, fraction: float, stages: int = 2, extra: str = "") -> Path:
+    """tiny.toml cut into `stages`, `fraction` of the training calls checked, and `extra` lines appended."""
     config = tmp / "run.toml"
     text = TINY.read_text()
     assert text.count("[stages]\ncount = 2\n") == 1
     text = text.replace("[stages]\ncount = 2\n", f"[stages]\ncount = {stages}\n")
-    config.write_text(text + f"\n[verify]\nfraction = {fraction}\n")
+    config.write_text(text + f"\n[verify]\nfraction = {fraction}\n" + extra)
     return config
 
 
@@ -132,8 +133,12 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_p
 def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_gradients_taken_back(tmp_path, where):
     stages = 2 if where == "last stage" else 3
     # Every call checked: each training answer the liar gives is compared (with half of them checked,
-    # a CI run saw one of its lies in 12 steps).
-    config = checked_config(tmp_path, 1.0, stages)
+    # a CI run saw one of its lies in 12 steps). The first step's verdicts (first calls to each peer,
+    # an arbiter's among them) held stage 0's step 6 s on a loaded CI machine: past the default norm
+    # wait of 5 s, so the liar's stage clipped step 0 by its own norm instead of the whole model's, and
+    # the run ended 3.2% above the reference's loss (twice, with the same 3.6417), for a reason that is
+    # not the liar's. The norm wait here is long enough for the verdicts.
+    config = checked_config(tmp_path, 1.0, stages, "\n[averaging]\nsync_timeout_s = 20.0\n")
     swarm = Swarm(tmp_path, config)
     try:
         names = []
