@@ -5,7 +5,7 @@ follows it), and one run per setting cannot show the spread between runs. Here R
 whole model train in one process, each on its share of every global batch (microbatch i goes to
 replica i mod R, as pinned paths with R replicas per stage give), H AdamW steps apart, as
 `peer/averaging.py` steps them; then their pseudo-gradients (the outer weights minus theirs) go
-through the averaging compression (`swarm.wire`'s codec, as the all-reduce sends a part and hands
+through the averaging compression (peer/allreduce.py's codec, as the all-reduce sends a part and hands
 back the average), are averaged, and the outer optimizer of `swarm/optim.py` steps the outer
 weights, which every replica takes. The reference is the same loop with one replica and no outer
 step: the reference trainer's update (`swarm train --local` gives the same losses at seed 0).
@@ -32,13 +32,13 @@ from tqdm import tqdm
 
 from benchmarks.common import averaging_spec
 from benchmarks.results import append_row
+from peer.allreduce import COMPRESSIONS, as_received
 from swarm.config import RunConfig, load_config
 from swarm.data import TrainStream
 from swarm.model import Stage, lm_loss
 from swarm.optim import make_optimizer, make_outer_optimizer, param_groups
 from swarm.schedule import lr_at
 from swarm.trainer.local import evaluate
-from swarm.wire import decode, encode
 
 SECTION = "outer: DiLoCo's outer step in one process, R whole-model replicas ÷ the reference update, over seeds"
 COLUMNS = [
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--variants",
         type=variants,
         default=variants("int8/diloco10-lr0.7-m0.5,int8/diloco10-lr1-m0"),
-        help="comma-separated COMPRESSION/dilocoH[-lrLR][-mM] (compression none, fp16 or int8)",
+        help="comma-separated COMPRESSION/dilocoH[-lrLR][-mM] (compression none, fp16, int8 or int4)",
     )
     p.add_argument("--tail", type=int, default=10, help="final loss = mean of the last N steps")
     p.add_argument("--eval-batches", type=int, default=16)
@@ -75,9 +75,9 @@ def variants(text: str) -> list[dict]:
     found = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         settings = averaging_spec(item)
-        if settings.get("mode") != "diloco" or settings["compression"] not in ("none", "fp16", "int8"):
+        if settings.get("mode") != "diloco" or settings["compression"] not in ("none", "fp16", "int8", "int4"):
             raise argparse.ArgumentTypeError(
-                f"{item!r}: COMPRESSION/dilocoH[-lrLR][-mM], COMPRESSION none, fp16 or int8"
+                f"{item!r}: COMPRESSION/dilocoH[-lrLR][-mM], COMPRESSION none, fp16, int8 or int4"
             )
         if settings.get("paths") == "pinned":
             raise argparse.ArgumentTypeError(f"{item!r}: -pinned means nothing here (each replica is a whole model)")
@@ -137,7 +137,7 @@ def train(run: RunConfig, steps: int, replicas: int, tail: int, eval_batches: in
 def outer_step(outer_module: Stage, models: list[Stage], outer: torch.optim.Optimizer, codec: str) -> None:
     """The replicas' pseudo-gradients, each sent through `codec`, averaged, the average sent back
     through it; the outer step; every replica takes the outer weights."""
-    sent = lambda x: decode(encode(x.contiguous(), codec)).to(x.dtype)  # noqa: E731
+    sent = lambda x: as_received(COMPRESSIONS[codec], x.detach().contiguous()).to(x.dtype)  # noqa: E731
     params = [list(m.parameters()) for m in models]
     for i, p in enumerate(outer_module.parameters()):
         p.grad = sent(sum(sent(p - mine[i]) for mine in params) / len(models))

@@ -10,7 +10,8 @@ digests (peer/averaging.py ReplicaCheck) make the minority reload the stage's st
 part what the others decode: every member copies in the same values.
 
 `[averaging] compression`: "none" sends the float32 buffers (4 bytes a value), "fp16" 2, "int8" a
-byte a value plus a float32 scale per block of 256 (the wire codec's, swarm/wire.py); "powersgd"
+byte a value plus a float32 scale per block of 256 (the wire codec's, swarm/wire.py), "int4" half a
+byte a value plus the same scales (for DiLoCo's pseudo-gradients; not a wire codec); "powersgd"
 sends two low-rank factors of each weight matrix in float32 (peer/averaging.py). The reducer
 adds up the decoded parts in float32 and encodes the average once: a replica's error is that of one
 encode of its part (weighted) and one of the average.
@@ -26,27 +27,31 @@ from hivemind.averaging.allreduce import AllReduceRunner, BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression, serialization
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from swarm.wire import INT8_BLOCK, _int8_decode, _int8_encode
+from swarm.wire import INT8_BLOCK, _int4_decode, _int4_encode, _int8_decode, _int8_encode
 
 log = logging.getLogger("swarm.averaging")
 
 
-class Int8BlockCompression(CompressionBase):
-    """Signed 8-bit codes in blocks of INT8_BLOCK values, a float32 scale (absmax / 127) per block:
-    the error of a value is at most half its block's scale.
+class BlockCompression(CompressionBase):
+    """Signed codes in blocks of INT8_BLOCK values, a float32 scale (absmax / the largest code) per
+    block (swarm/wire.py): the error of a value is at most half its block's scale. "int8": codes
+    -127 .. 127, a byte each; "int4": -7 .. 7, two a byte.
 
-    It travels as hivemind's BLOCKWISE_8BIT type, whose codec is replaced by this one in every process
-    that imports this module (all of a stage's replicas): hivemind's own 8-bit codecs fail to decode
-    under numpy >= 2.4 (Uniform8Bit, Quantile8Bit: int() of a 1-element array) or need bitsandbytes,
-    a CUDA library (Blockwise)."""
+    int8 travels as hivemind's BLOCKWISE_8BIT type and int4 as its UNIFORM_8BIT type, whose codecs are
+    replaced by these in every process that imports this module (all of a stage's replicas): hivemind's
+    own 8-bit codecs fail to decode under numpy >= 2.4 (Uniform8Bit, Quantile8Bit: int() of a 1-element
+    array) or need bitsandbytes, a CUDA library (Blockwise), and it has no 4-bit type."""
 
-    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+    def __init__(self, type_name: str, encode, decode, bytes_per_value: float):
+        self.compression_type = runtime_pb2.CompressionType.Value(type_name)
+        self.encode, self.decode, self.bytes_per_value = encode, decode, bytes_per_value
+        serialization._BASE_COMPRESSION_TYPES[type_name] = self
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         values = tensor.detach()
         return runtime_pb2.Tensor(
             compression=self.compression_type,
-            buffer=_int8_encode(values),
+            buffer=self.encode(values),
             size=values.shape,
             dtype=str(values.dtype).removeprefix("torch."),
             requires_grad=tensor.requires_grad,
@@ -55,18 +60,17 @@ class Int8BlockCompression(CompressionBase):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         shape = tuple(serialized_tensor.size)
         dtype = getattr(torch, serialized_tensor.dtype)
-        return _int8_decode(serialized_tensor.buffer, shape).to(dtype)
+        return self.decode(serialized_tensor.buffer, shape).to(dtype)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return (1 + 4 / INT8_BLOCK) / 4  # of float32 values
+        return self.bytes_per_value / 4  # of float32 values
 
-
-serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = Int8BlockCompression()
 
 COMPRESSIONS: dict[str, CompressionBase] = {
     "none": NoCompression(),
     "fp16": Float16Compression(),
-    "int8": serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"],
+    "int8": BlockCompression("BLOCKWISE_8BIT", _int8_encode, _int8_decode, 1 + 4 / INT8_BLOCK),
+    "int4": BlockCompression("UNIFORM_8BIT", _int4_encode, _int4_decode, 0.5 + 4 / INT8_BLOCK),
     # The factors P and Q of PowerSGD (peer/averaging.py CappedPowerSGDAverager), and the tensors it
     # leaves whole (biases, norms), go as float32: the low rank is the compression.
     "powersgd": NoCompression(),

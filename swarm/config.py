@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 Codec = Literal["none", "fp16", "bf16", "int8"]
 DType = Literal["float32", "bfloat16", "float16"]
-GradCompression = Literal["none", "fp16", "int8", "powersgd"]
+GradCompression = Literal["none", "fp16", "int8", "int4", "powersgd"]
 AveragingMode = Literal["gradients", "diloco"]
 
 
@@ -203,7 +203,8 @@ class AveragingConfig(_Strict):
     compression: GradCompression = Field(
         "none",
         description="what the all-reduce sends: none (4 bytes a value), fp16 (2), int8 (1, blocks of 256 with a "
-        "scale), powersgd (each weight matrix as two rank-`rank` factors, 4 bytes a value, with error feedback)",
+        "scale), int4 (0.52, the same blocks; for diloco's pseudo-gradients), powersgd (each weight matrix as two "
+        "rank-`rank` factors, 4 bytes a value, with error feedback)",
     )
     rank: int = Field(
         4, ge=1, le=256, description="powersgd: the rank of the approximation (bytes per m x n matrix: 4 (m + n) rank)"

@@ -18,6 +18,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
+from hivemind.compression import CompressionInfo
 from hivemind.optim.grad_averager import GradientAverager
 
 from peer.allreduce import COMPRESSIONS, INT8_BLOCK, as_received
@@ -101,23 +102,23 @@ def capped(params, **kwargs):
     return CappedGradientAverager(params, global_batch=16, **kwargs)
 
 
-@pytest.mark.parametrize("compression", ["none", "fp16", "int8"])
+@pytest.mark.parametrize("compression", ["none", "fp16", "int8", "int4"])
 def test_replicas_end_a_round_with_the_same_bits_within_one_encode_of_the_average(compression: str):
     results, exact, moved = average_with(capped, compression, f"exact_{compression}")
     # Each value goes to its part's reducer from the 2 other members and its average comes back to
     # them: 4 x the values, at the codec's bytes a value.
     values = sum(math.prod(shape) for shape in SHAPES)
     per_value = moved / (4 * values)
-    expected = {"none": 4.0, "fp16": 2.0, "int8": 1 + 4 / 256}[compression]
+    expected = {"none": 4.0, "fp16": 2.0, "int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}[compression]
     assert expected <= per_value <= expected * 1.05, f"{compression}: {per_value:.3f} bytes a value"
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert torch.equal(a, b), f"{compression}: replicas differ by up to {(a - b).abs().max().item():.3g}"
-    # One encode of a member's part and one of the average: int8 is off by at most half a step of
-    # its block's scale (absmax / 127), fp16 by 2^-11 of the value; as a bound over all values,
+    # One encode of a member's part and one of the average: int8 (int4) is off by at most half a step
+    # of its block's scale (absmax / 127, / 7), fp16 by 2^-11 of the value; as a bound over all values,
     # one step (or 2^-10) of the largest gradient and of the largest average.
     # hivemind's reducer adds up in float32: "none" is as close as that.
-    step = {"none": 2.0**-20, "fp16": 2.0**-10, "int8": 1 / 127}[compression]
+    step = {"none": 2.0**-20, "fp16": 2.0**-10, "int8": 1 / 127, "int4": 1 / 7}[compression]
     largest = max(g.abs().max().item() for i in range(len(WEIGHTS)) for g in gradients(i))
     largest += max(w.abs().max().item() for w in exact)
     for got, want in zip(results[0], exact, strict=True):
@@ -134,24 +135,39 @@ def test_hiveminds_own_round_leaves_replicas_apart_with_a_lossy_codec():
     assert any(not torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
 
 
-def test_int8_error_is_bounded_per_block_so_small_blocks_keep_their_precision():
+@pytest.mark.parametrize("compression, levels", [("int8", 127), ("int4", 7)])
+def test_block_codec_error_is_bounded_per_block_so_small_blocks_keep_their_precision(compression, levels):
     """A pseudo-gradient's values span orders of magnitude between tensors and within one (a layer's
     norm weights against its matrices). With one scale per 256 values, each value is within half its
     own block's scale: a block of values near 1e-4 beside a block near 1e2 keeps its precision, where
     one scale for the tensor would round it to zero."""
     g = torch.Generator().manual_seed(0)
     magnitudes = torch.tensor([1e2, 1e-4, 3.0, 1e-6]).repeat_interleave(INT8_BLOCK)
-    tensor = torch.randn(magnitudes.numel() + 100, generator=g)  # the last block partly filled
+    tensor = torch.randn(magnitudes.numel() + 101, generator=g)  # the last block partly filled, odd
     tensor[: magnitudes.numel()] *= magnitudes
-    decoded = as_received(COMPRESSIONS["int8"], tensor)
+    decoded = as_received(COMPRESSIONS[compression], tensor)
+    assert decoded.shape == tensor.shape
     for start in range(0, tensor.numel(), INT8_BLOCK):
         block, got = tensor[start : start + INT8_BLOCK], decoded[start : start + INT8_BLOCK]
-        bound = block.abs().max() / 127 / 2
+        bound = block.abs().max() / levels / 2
         assert (got - block).abs().max() <= bound * (1 + 1e-5), (start, (got - block).abs().max(), bound)
-    small = slice(INT8_BLOCK, 2 * INT8_BLOCK)  # the 1e-4 block: relative error within 1/254 of its largest
-    assert (decoded[small] - tensor[small]).abs().max() / tensor[small].abs().max() <= 1 / 254 + 1e-6
-    per_tensor = tensor.abs().max() / 127  # what one scale for the whole tensor would give that block
+        # at most 2 levels + 1 values a block: a codec that sent more bits would not give this
+        assert len(set(got.tolist())) <= 2 * levels + 1, (start, len(set(got.tolist())))
+    small = slice(INT8_BLOCK, 2 * INT8_BLOCK)  # the 1e-4 block: relative error within half a step
+    assert (decoded[small] - tensor[small]).abs().max() / tensor[small].abs().max() <= 1 / (2 * levels) + 1e-6
+    per_tensor = tensor.abs().max() / levels  # what one scale for the whole tensor would give that block
     assert (torch.round(tensor[small] / per_tensor) == 0).all(), "the test's small block is not small enough"
+
+
+@pytest.mark.parametrize("compression", ["int8", "int4"])
+def test_a_truncated_block_codec_part_is_refused_with_an_error(compression):
+    """A part whose buffer is shorter than its declared size says (a ValueError, which hivemind's
+    all-reduce treats as a failed part) instead of reading past its end."""
+    codec = COMPRESSIONS[compression]
+    serialized = codec.compress(torch.randn(1000), CompressionInfo.from_tensor(torch.randn(1000)))
+    serialized.buffer = serialized.buffer[:-1]
+    with pytest.raises(ValueError):
+        codec.extract(serialized)
 
 
 class SlowRound(CappedGradientAverager):

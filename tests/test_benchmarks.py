@@ -317,11 +317,12 @@ def test_the_outer_benchmarks_reference_is_the_reference_trainers_update():
     assert final == pytest.approx(sum(r["loss"] for r in records) / 3, rel=1e-5)
 
 
-@pytest.mark.parametrize("codec, tolerance", [("none", 1e-6), ("int8", 0.02)])
+@pytest.mark.parametrize("codec, tolerance", [("none", 1e-6), ("int8", 0.003), ("int4", 0.05)])
 def test_the_outer_benchmarks_outer_step_at_lr_1_without_momentum_is_the_replicas_average(codec, tolerance):
     """`outer_step`: the pseudo-gradients averaged through the codec and the outer optimizer's step;
     at outer_lr 1 without momentum the outer weights land on the replicas' mean (within int8's
-    rounding, 1/127 of a block's largest pseudo-gradient of 0.3), and every replica takes them."""
+    rounding, half a step of a block's largest pseudo-gradient of 0.3: 0.3 / 127 / 2 twice; int4's,
+    0.3 / 7 / 2 twice), and every replica takes them."""
     import torch
 
     from benchmarks.outer import outer_step

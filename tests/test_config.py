@@ -57,7 +57,7 @@ def test_coordinator_stages_option_is_validated():
         (
             lambda d: d.setdefault("averaging", {}).update(compression="topk"),
             "averaging.compression",
-            "'none', 'fp16', 'int8' or 'powersgd'",
+            "'none', 'fp16', 'int8', 'int4' or 'powersgd'",
         ),
         (lambda d: d.setdefault("averaging", {}).update(compression="powersgd", rank=0), "averaging.rank", "1"),
         (lambda d: d.setdefault("averaging", {}).update(paths="sticky"), "averaging.paths", "'routed' or 'pinned'"),
