@@ -151,13 +151,18 @@ def _from_bytes(
     return flat.reshape(shape) if count < 0 else flat
 
 
-def _int8_encode(tensor: torch.Tensor) -> bytes:
+def _blocks(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(float32 values in rows of INT8_BLOCK, zero-padded; each row's largest magnitude, numel, rows)."""
     flat = tensor.reshape(-1).float()
     numel, n_blocks = flat.numel(), math.ceil(flat.numel() / INT8_BLOCK)
     if numel % INT8_BLOCK:
         flat = torch.nn.functional.pad(flat, (0, n_blocks * INT8_BLOCK - numel))
     blocks = flat.view(n_blocks, INT8_BLOCK)
-    absmax = blocks.abs().amax(dim=1).clamp_min_(1e-30)
+    return blocks, blocks.abs().amax(dim=1).clamp_min_(1e-30), numel, n_blocks
+
+
+def _int8_encode(tensor: torch.Tensor) -> bytes:
+    blocks, absmax, numel, n_blocks = _blocks(tensor)
     # One buffer holds the float32 scales and then the codes, so the payload is copied out once.
     out = torch.empty(4 * n_blocks + n_blocks * INT8_BLOCK, dtype=torch.uint8)
     out[: 4 * n_blocks].view(torch.float32).copy_(absmax / 127.0)
@@ -180,12 +185,7 @@ def _int8_decode(data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
 def _int4_encode(tensor: torch.Tensor) -> bytes:
     """Blocks of INT8_BLOCK values, a float32 scale (absmax / 7) per block, then two 4-bit codes a
     byte (the even value in the low nibble): 0.516 bytes a value."""
-    flat = tensor.reshape(-1).float()
-    numel, n_blocks = flat.numel(), math.ceil(flat.numel() / INT8_BLOCK)
-    if numel % INT8_BLOCK:
-        flat = torch.nn.functional.pad(flat, (0, n_blocks * INT8_BLOCK - numel))
-    blocks = flat.view(n_blocks, INT8_BLOCK)
-    absmax = blocks.abs().amax(dim=1).clamp_min_(1e-30)
+    blocks, absmax, numel, _ = _blocks(tensor)
     codes = blocks.mul(INT4_LEVELS / absmax[:, None]).round_().clamp_(-INT4_LEVELS, INT4_LEVELS)
     codes = codes.add_(INT4_LEVELS + 1).to(torch.uint8).view(-1, 2)
     packed = codes[:, 0] | (codes[:, 1] << 4)
