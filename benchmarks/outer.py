@@ -40,6 +40,9 @@ from swarm.optim import make_optimizer, make_outer_optimizer, param_groups
 from swarm.schedule import lr_at
 from swarm.trainer.local import evaluate
 
+# The codecs whose outer step this benchmark can replay: every averaging compression but PowerSGD,
+# whose low-rank rounds keep state of their own.
+CODECS = tuple(c for c in COMPRESSIONS if c != "powersgd")
 SECTION = "outer: DiLoCo's outer step in one process, R whole-model replicas ÷ the reference update, over seeds"
 COLUMNS = [
     "config",
@@ -64,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--variants",
         type=variants,
         default=variants("int8/diloco10-lr0.7-m0.5,int8/diloco10-lr1-m0"),
-        help="comma-separated COMPRESSION/dilocoH[-lrLR][-mM] (compression none, fp16, int8 or int4)",
+        help=f"comma-separated COMPRESSION/dilocoH[-lrLR][-mM] (compression one of {', '.join(CODECS)})",
     )
     p.add_argument("--tail", type=int, default=10, help="final loss = mean of the last N steps")
     p.add_argument("--eval-batches", type=int, default=16)
@@ -75,9 +78,9 @@ def variants(text: str) -> list[dict]:
     found = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         settings = averaging_spec(item)
-        if settings.get("mode") != "diloco" or settings["compression"] not in ("none", "fp16", "int8", "int4"):
+        if settings.get("mode") != "diloco" or settings["compression"] not in CODECS:
             raise argparse.ArgumentTypeError(
-                f"{item!r}: COMPRESSION/dilocoH[-lrLR][-mM], COMPRESSION none, fp16, int8 or int4"
+                f"{item!r}: COMPRESSION/dilocoH[-lrLR][-mM], COMPRESSION one of {', '.join(CODECS)}"
             )
         if settings.get("paths") == "pinned":
             raise argparse.ArgumentTypeError(f"{item!r}: -pinned means nothing here (each replica is a whole model)")
