@@ -99,8 +99,8 @@ class Proc:
         self._log.close()
 
 
-def group_members(pgid: int) -> list[str]:
-    """Processes (live or zombie) whose process group is `pgid`, as 'PID STATE'."""
+def processes() -> list[tuple[int, str, int, int]]:
+    """Every process (live or zombie) as (pid, state, ppid, process group), read from Linux's /proc."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -109,9 +109,13 @@ def group_members(pgid: int) -> list[str]:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp
         except OSError:
             continue
-        if int(fields[2]) == pgid:
-            found.append(f"{entry} {fields[0]}")
+        found.append((int(entry), fields[0], int(fields[1]), int(fields[2])))
     return found
+
+
+def group_members(pgid: int) -> list[str]:
+    """Processes (live or zombie) whose process group is `pgid`, as 'PID STATE'."""
+    return [f"{pid} {state}" for pid, state, _, group in processes() if group == pgid]
 
 
 def survivors(pgid: int, timeout: float = 5.0) -> list[str]:

@@ -223,6 +223,8 @@ def make_dht(
     announce_host: str | None = None,
     record_key: RSAPrivateKey | None = None,
     authorizer: AuthorizerBase | None = None,
+    startup_timeout: float = 60.0,
+    attempts: int = 2,
 ) -> hivemind.DHT:
     """A DHT node listening on HOST:PORT (hivemind's default is loopback only) that signs the records
     it stores with `record_key` and refuses records not signed by their owner (see the module
@@ -243,7 +245,14 @@ def make_dht(
     or name, a forwarded router's) the node tells others only that address, not its interfaces'
     (which, behind NAT or in a container, nobody else can reach); it needs a known port, so port 0
     becomes a free port picked here. With `authorizer` (swarm/identity.py: `RunAuthorizer`), the node
-    answers and takes answers only from members of the run."""
+    answers and takes answers only from members of the run.
+
+    A node that is not ready within `startup_timeout` seconds (on loopback one starts in 1-3 s; its
+    p2pd alone may take up to hivemind's 15 s) is ended, with its p2pd, and started again, up to
+    `attempts` times in all; then RuntimeError says so. hivemind's own wait has no deadline: once in
+    a few thousand starts a node never reports ready, and the caller would wait forever."""
+    if startup_timeout <= 0 or attempts < 1:
+        raise ValueError(f"make_dht: startup_timeout must be > 0 and attempts >= 1 ({startup_timeout}, {attempts})")
     maddrs = [f"/ip4/{host}/tcp/{port}"]
     extra: dict = {}
     if announce_host:
@@ -261,22 +270,40 @@ def make_dht(
     with tempfile.TemporaryDirectory(prefix="swarm-dht-") as tmp:  # private to this user (mode 0700)
         if identity_path is None:
             identity_path = _write_identity(record_key, Path(tmp) / "identity.key")
-        dht = hivemind.DHT(
-            initial_peers=initial_peers or None,
-            host_maddrs=maddrs,
-            client_mode=client_mode,
-            identity_path=str(identity_path),
-            record_validators=[validator],
-            start=True,
-            await_ready=True,  # by then its p2p daemon has read the identity file
-            authorizer=authorizer,
-            **extra,
-        )
+        for attempt in range(1, attempts + 1):
+            dht = hivemind.DHT(
+                initial_peers=initial_peers or None,
+                host_maddrs=maddrs,
+                client_mode=client_mode,
+                identity_path=str(identity_path),
+                record_validators=[validator],
+                start=False,
+                authorizer=authorizer,
+                **extra,
+            )
+            try:  # once ready, its p2p daemon has read the identity file
+                dht.run_in_background(await_ready=True, timeout=startup_timeout)
+                break
+            except TimeoutError:
+                _end_stuck(dht)
+                log.warning("DHT node not ready within %.0f s (attempt %d of %d)", startup_timeout, attempt, attempts)
+        else:
+            raise RuntimeError(
+                f"the DHT node did not start within {startup_timeout:g} s, {attempts} times in a row "
+                f"(initial peers: {', '.join(initial_peers or []) or 'none'})"
+            )
     if record_key is RSAPrivateKey.process_wide():
         _process_wide_nodes.add(dht)
     dht.record_owner = validator.local_public_key.decode()  # what this node's subkeys end with
     dht.record_key = record_key  # and what they are signed with (hivemind's progress tracker signs with it too)
     return dht
+
+
+def _end_stuck(dht: hivemind.DHT) -> None:
+    """End a DHT process that never got ready: it reads its pipe only once ready, so it cannot be
+    asked to shut down. Its p2pd ends with it."""
+    dht.kill()
+    dht.join(timeout=10)
 
 
 def node_key() -> RSAPrivateKey:

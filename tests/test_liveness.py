@@ -3,10 +3,12 @@ with averaging and rebalancing that loses a peer and goes on without stalling or
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from coordinator.ca import RunCA
 from peer.service import start_server
 from peer.worker import StageWorker
+from swarm.children import processes
 from swarm.config import load_config
 from swarm.records import answering, make_dht, reconnect, shutdown_dht, visible_maddrs
 from swarm.trainer import Membership, SwarmCaller, step_hold_s
@@ -47,6 +50,47 @@ def test_live_nodes_answer_a_ping_and_a_stopped_one_does_not(nodes):
     # Bounded by the timeout, whatever the dead node does; the margin is for a loaded machine.
     assert time.monotonic() - started < 2.0 + 8.0
     assert answering(a, []) == set()
+
+
+def test_a_node_not_ready_in_time_is_ended_with_its_p2pd_and_the_error_says_so(nodes):
+    """A node whose only initial peer is frozen (its p2pd stopped: it takes connections and never
+    answers) waits out hivemind's ping timeout (3 s) before it is ready. With a shorter startup
+    deadline, make_dht ends each attempt, its DHT process and the p2pd it started, and then says
+    so instead of waiting."""
+    frozen = nodes[2]
+    (daemon,) = child_pids(frozen.pid)
+    p2pds_before, children_before = set(p2pd_pids()), set(child_pids(os.getpid()))
+    os.kill(daemon, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"did not start within 2 s, 2 times in a row \(initial peers: /ip4/"):
+            make_dht(visible_maddrs(frozen), record_key=RSAPrivateKey(), startup_timeout=2.0)
+        assert time.monotonic() - started < 2 * 2.0 + 20.0  # the margin is for a loaded machine
+        assert set(child_pids(os.getpid())) <= children_before, "a stuck node's DHT process outlived it"
+        deadline = time.monotonic() + 5
+        while set(p2pd_pids()) - p2pds_before and time.monotonic() < deadline:
+            time.sleep(0.1)  # an orphaned p2pd is reaped by init, not by us
+        assert set(p2pd_pids()) <= p2pds_before, "a stuck node's p2pd outlived it"
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+    with pytest.raises(ValueError, match="startup_timeout"):
+        make_dht(startup_timeout=0)
+
+
+def child_pids(parent: int) -> list[int]:
+    return [pid for pid, _, ppid, _ in processes() if ppid == parent]
+
+
+def p2pd_pids() -> list[int]:
+    """Live p2pd daemons on this machine."""
+    return [pid for pid, state, _, _ in processes() if state != "Z" and _command(pid) == "p2pd"]
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def test_reconnect_pings_the_nodes_at_the_addresses_it_is_given(nodes):
