@@ -6,7 +6,9 @@ latency: this kernel has no netem). The trainer runs `--steps` steps; tokens/s i
 steps after `--warmup` (from the trainer's step log). Then, at `--relay-mbit`, the same swarm with
 one peer of each stage behind a home router (no connection in), relayed through the coordinator:
 relayed ÷ direct tokens/s at equal bandwidth (goal >= 0.8), and the seconds from a relayed peer's
-start until it had served a microbatch (from the coordinator's state, read every 0.2 s).
+start until it had served a microbatch (from the coordinator's state, read every 0.2 s). With
+`--shipped`, the config as it is runs first at each bandwidth, and each other run's row notes its
+tokens/s as a multiple of that (the side-by-side figure for "how much faster than the defaults").
 
 Needs root, iproute2 and nftables (tests/install-tools.sh).
 """
@@ -44,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "H inner steps); the relay comparison uses the first",
     )
     p.add_argument("--wire", choices=get_args(Codec), default=None, help="[wire] codec (default: the config's)")
+    p.add_argument(
+        "--shipped",
+        action="store_true",
+        help="first run the config as it is (its own wire codec and averaging) at each bandwidth, and note each "
+        "other run's tokens/s as a multiple of it",
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from tokens/s")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
@@ -112,19 +120,33 @@ def run(args: argparse.Namespace) -> str:
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-wan-configs-") as tmp:
 
-        def measure(compression: str, mbit: float, homes: set[str]) -> tuple[float, float]:
-            path = Path(tmp) / f"{compression.replace('/', '-')}.toml"
+        def measure(compression: str | None, mbit: float, homes: set[str]) -> tuple[float, float]:
+            """Tokens/s and seconds to first relayed; `compression` None: the config as it is."""
+            path = Path(tmp) / f"{(compression or 'shipped').replace('/', '-')}.toml"
             text = Path(args.config).read_text()
-            text = with_wire(text, args.wire) if args.wire else text
-            path.write_text(with_averaging(text, averaging_spec(compression)))
+            if compression is not None:
+                text = with_wire(text, args.wire) if args.wire else text
+                text = with_averaging(text, averaging_spec(compression))
+            path.write_text(text)
             steps, first = one_run(path, mbit, homes, args.steps, args.timeout_s)
             return tokens_per_s(steps, args.warmup, config), first
 
+        bandwidths = [float(x) for x in args.mbit.split(",")]
+        shipped: dict[float, float] = {}
+        if args.shipped:
+            what = f"{config.averaging.mode}, {config.averaging.compression}"
+            for mbit in bandwidths:
+                rate = shipped[mbit] = measure(None, mbit, set())[0]
+                print(f"{mbit:g} Mbit/s, the config as shipped, direct: {rate:,.0f} tokens/s", flush=True)
+                note = f"the config as shipped: wire {config.wire.codec}, averaging {what}; {NOTE}"
+                values = [args.config, f"{mbit:g}", "all direct", args.steps, f"{rate:.0f}", "", "", note]
+                rows.append(append_row(SECTION, COLUMNS, values))
         for compression in args.compressions:
-            note = f"wire {args.wire or config.wire.codec}, averaging {compression}; {NOTE}"
-            for mbit in [float(x) for x in args.mbit.split(",")]:
+            for mbit in bandwidths:
                 rate = rates[compression, mbit] = measure(compression, mbit, set())[0]
-                print(f"{mbit:g} Mbit/s, averaging {compression}, direct: {rate:,.0f} tokens/s", flush=True)
+                versus = f", {rate / shipped[mbit]:.2f}x the config as shipped in the same run" if shipped else ""
+                print(f"{mbit:g} Mbit/s, averaging {compression}, direct: {rate:,.0f} tokens/s{versus}", flush=True)
+                note = f"wire {args.wire or config.wire.codec}, averaging {compression}{versus}; {NOTE}"
                 values = [args.config, f"{mbit:g}", "all direct", args.steps, f"{rate:.0f}", "", "", note]
                 rows.append(append_row(SECTION, COLUMNS, values))
         mbit, compression = args.relay_mbit, args.compressions[0]

@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,7 @@ TINY = {
         "int8/diloco2",
         "--wire",
         "int8",
+        "--shipped",
     ],
     "wire": ["--reps", "2", "--warmup", "1", "--codecs", "bf16", "--modules", "noop", "--batch", "2"],
 }
@@ -182,6 +184,26 @@ def test_wire_smoke_times_calls_over_mutual_tls_too(smoke_runs):
     _, found, section = results.read_text().partition(f"## {TLS_SECTION}\n")
     rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith(ROW_START)]
     assert found and len(rows) == 1 and "| noop | bf16 |" in rows[0], results.read_text()
+
+
+def test_wan_smoke_sets_each_run_beside_the_config_as_shipped(smoke_runs):
+    """With --shipped, the wan benchmark first runs the config as it is (tiny.toml's own wire codec and
+    averaging) and notes the other run's tokens/s as a multiple of it."""
+    if (why := unavailable()) is not None:
+        pytest.skip(f"no emulated internet here: {why}")
+    _, futures = smoke_runs
+    done, results = futures["wan"].result()
+    assert done.returncode == 0, f"python -m benchmarks wan exited {done.returncode}:\n{done.stderr[-3000:]}"
+    header, _, *rows = [line for line in results.read_text().splitlines() if line.startswith("|")]
+    shipped, diloco = (cells(header, row) for row in rows if "| all direct |" in row)  # then the relayed run
+    tiny = load_config(ROOT / "configs" / "tiny.toml")
+    own = f"wire {tiny.wire.codec}, averaging {tiny.averaging.mode}, {tiny.averaging.compression};"
+    assert shipped["notes"].startswith(f"the config as shipped: {own}"), shipped
+    assert diloco["notes"].startswith("wire int8, averaging int8/diloco2, "), diloco
+    multiple = float(re.search(r", ([0-9.]+)x the config as shipped in the same run;", diloco["notes"])[1])
+    rates = float(diloco["tokens/s"]), float(shipped["tokens/s"])
+    rounding = 0.005 + 0.5 / rates[1] + 0.5 * rates[0] / rates[1] ** 2  # 2 decimals; whole tokens/s in the rows
+    assert multiple == pytest.approx(rates[0] / rates[1], abs=rounding), rows
 
 
 def test_chaos_smoke_survives_killed_peers_a_dead_coordinator_and_a_frozen_peer(smoke_runs):
