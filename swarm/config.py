@@ -214,7 +214,7 @@ class AveragingConfig(_Strict):
         description="gradients: average every step's gradient; diloco: inner_steps local AdamW steps per replica, "
         "then average the replicas' pseudo-gradients and take an outer Nesterov step",
     )
-    # H = 5: within 3% of the reference's held-out loss on tiny.toml and small.toml, where H = 10 was
+    # H = 5: within 2% of the reference's held-out loss on tiny.toml and small.toml, where H = 10 was
     # 5% above it; with int4 it averages the bytes of int8 at H = 10 (README, DiLoCo paragraph).
     inner_steps: int = Field(
         5, ge=1, le=100_000, description="diloco: local steps between two averagings (H): H-fold fewer bytes averaged"

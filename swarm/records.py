@@ -285,7 +285,9 @@ def make_dht(
                 dht.run_in_background(await_ready=True, timeout=startup_timeout)
                 break
             except TimeoutError:
-                _end_stuck(dht)
+                # It reads its pipe only once ready, so it cannot be asked to shut down; its p2pd ends with it.
+                dht.kill()
+                dht.join(timeout=10)
                 log.warning("DHT node not ready within %.0f s (attempt %d of %d)", startup_timeout, attempt, attempts)
         else:
             raise RuntimeError(
@@ -297,13 +299,6 @@ def make_dht(
     dht.record_owner = validator.local_public_key.decode()  # what this node's subkeys end with
     dht.record_key = record_key  # and what they are signed with (hivemind's progress tracker signs with it too)
     return dht
-
-
-def _end_stuck(dht: hivemind.DHT) -> None:
-    """End a DHT process that never got ready: it reads its pipe only once ready, so it cannot be
-    asked to shut down. Its p2pd ends with it."""
-    dht.kill()
-    dht.join(timeout=10)
 
 
 def node_key() -> RSAPrivateKey:
