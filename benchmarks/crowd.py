@@ -29,7 +29,15 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.children import start_coordinator, stop_all
 from swarm.join import join_run
-from swarm.records import PeerRecord, TrainerRecord, shutdown_dht, signer_peer_id, stage_key, trainers_key
+from swarm.records import (
+    PeerRecord,
+    TrainerRecord,
+    shutdown_dht,
+    signer_peer_id,
+    stage_key,
+    started_dht,
+    trainers_key,
+)
 
 TTL_S = 900.0  # longer than a whole benchmark: no record expires while it is timed
 
@@ -153,13 +161,12 @@ def store_crowd(url: str, count: int, stages: int) -> Crowd:
     print(f"made {len(keys)} signing keys in {time.monotonic() - made:.1f} s", flush=True)
     run_id = join["run_id"]
     member = join_run(url, RSAPrivateKey(), "trainer", run_id)  # the run's DHT answers members only
-    dht = hivemind.DHT(
+    dht = started_dht(
         initial_peers=join["initial_peers"],
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         client_mode=True,
         record_validators=[ManyOwners(keys)],
         authorizer=member.authorizer(),
-        start=True,
     )
     try:
         records = peer_records(keys[:-1], stages)

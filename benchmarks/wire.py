@@ -225,13 +225,14 @@ def _ours_main(config: str, pairs: list[tuple[str, str]], cache: bool, ca_dir: s
 def _hivemind_main(config: str, pairs: list[tuple[str, str]], shape: tuple[int, ...], conn) -> None:
     torch.set_num_threads(1)
     _import_hivemind()
-    from hivemind import DHT
     from hivemind.moe import ModuleBackend, Server
     from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
+    from swarm.records import started_dht
+
     server = None
     try:
-        dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        dht = started_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         backends = {}
         run = bench_run(config, "none")
         for kind, codec in pairs:
@@ -432,12 +433,13 @@ def run(args: argparse.Namespace) -> str:
         peer_bytes, maddrs = hm_child.ready()
 
         # hivemind's client first: its DHT forks, which must happen before any gRPC channel exists.
-        from hivemind import DHT
         from hivemind.moe.client.expert import create_remote_experts
         from hivemind.moe.expert_uid import ExpertInfo
         from hivemind.p2p import PeerID
 
-        hm_dht = DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True, start=True)
+        from swarm.records import started_dht
+
+        hm_dht = started_dht(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
         peer = PeerID(peer_bytes)
         infos = [ExpertInfo(expert_uid(k, c), peer) for k, c in hm_pairs]
         experts = dict(zip(hm_pairs, create_remote_experts(infos, hm_dht), strict=True))

@@ -281,14 +281,9 @@ def make_dht(
                 authorizer=authorizer,
                 **extra,
             )
-            try:  # once ready, its p2p daemon has read the identity file
-                dht.run_in_background(await_ready=True, timeout=startup_timeout)
+            if start_node(dht, startup_timeout):  # once ready, its p2p daemon has read the identity file
                 break
-            except TimeoutError:
-                # It reads its pipe only once ready, so it cannot be asked to shut down; its p2pd ends with it.
-                dht.kill()
-                dht.join(timeout=10)
-                log.warning("DHT node not ready within %.0f s (attempt %d of %d)", startup_timeout, attempt, attempts)
+            log.warning("DHT node not ready within %.0f s (attempt %d of %d)", startup_timeout, attempt, attempts)
         else:
             raise RuntimeError(
                 f"the DHT node did not start within {startup_timeout:g} s, {attempts} times in a row "
@@ -298,6 +293,29 @@ def make_dht(
         _process_wide_nodes.add(dht)
     dht.record_owner = validator.local_public_key.decode()  # what this node's subkeys end with
     dht.record_key = record_key  # and what they are signed with (hivemind's progress tracker signs with it too)
+    return dht
+
+
+def start_node(dht: hivemind.DHT, timeout: float) -> bool:
+    """Start `dht` (made with `start=False`) and wait until it is ready, at most `timeout` seconds;
+    False when it was not: then it is ended, with its p2pd (`make_dht` says why a deadline)."""
+    try:
+        dht.run_in_background(await_ready=True, timeout=timeout)
+        return True
+    except TimeoutError:
+        # It reads its pipe only once ready, so it cannot be asked to shut down; its p2pd ends with it.
+        dht.kill()
+        dht.join(timeout=10)
+        return False
+
+
+def started_dht(timeout: float = 60.0, **options) -> hivemind.DHT:
+    """`hivemind.DHT(**options)`, started and ready within `timeout` seconds; RuntimeError (the node
+    ended) when it is not. For nodes that are no member's (`make_dht` is theirs): an attacker's in
+    the tests, a benchmark's many-owner writer or hivemind reference."""
+    dht = hivemind.DHT(start=False, **options)
+    if not start_node(dht, timeout):
+        raise RuntimeError(f"a DHT node did not start within {timeout:g} s")
     return dht
 
 

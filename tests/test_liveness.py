@@ -19,7 +19,7 @@ from peer.service import start_server
 from peer.worker import StageWorker
 from swarm.children import processes
 from swarm.config import load_config
-from swarm.records import answering, make_dht, reconnect, shutdown_dht, visible_maddrs
+from swarm.records import answering, make_dht, reconnect, shutdown_dht, started_dht, visible_maddrs
 from swarm.trainer import Membership, SwarmCaller, step_hold_s
 from swarm.verify import SpotChecks
 from swarm.wire import encode
@@ -56,21 +56,30 @@ def test_a_node_not_ready_in_time_is_ended_with_its_p2pd_and_the_error_says_so(n
     """A node whose only initial peer is frozen (its p2pd stopped: it takes connections and never
     answers) waits out hivemind's ping timeout (3 s) before it is ready. With a shorter startup
     deadline, make_dht ends each attempt, its DHT process and the p2pd it started, and then says
-    so instead of waiting."""
+    so instead of waiting; so does `started_dht` (the nodes that are no member's)."""
     frozen = nodes[2]
     (daemon,) = child_pids(frozen.pid)
     p2pds_before, children_before = set(p2pd_pids()), set(child_pids(os.getpid()))
+
+    def nothing_left() -> None:
+        assert set(child_pids(os.getpid())) <= children_before, "a stuck node's DHT process outlived it"
+        deadline = time.monotonic() + 5
+        while set(p2pd_pids()) - p2pds_before and time.monotonic() < deadline:
+            time.sleep(0.1)  # an orphaned p2pd is reaped by init, not by us
+        assert set(p2pd_pids()) <= p2pds_before, "a stuck node's p2pd outlived it"
+
     os.kill(daemon, signal.SIGSTOP)
     try:
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"did not start within 2 s, 2 times in a row \(initial peers: /ip4/"):
             make_dht(visible_maddrs(frozen), record_key=RSAPrivateKey(), startup_timeout=2.0)
         assert time.monotonic() - started < 2 * 2.0 + 20.0  # the margin is for a loaded machine
-        assert set(child_pids(os.getpid())) <= children_before, "a stuck node's DHT process outlived it"
-        deadline = time.monotonic() + 5
-        while set(p2pd_pids()) - p2pds_before and time.monotonic() < deadline:
-            time.sleep(0.1)  # an orphaned p2pd is reaped by init, not by us
-        assert set(p2pd_pids()) <= p2pds_before, "a stuck node's p2pd outlived it"
+        nothing_left()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"a DHT node did not start within 2 s"):
+            started_dht(2.0, initial_peers=visible_maddrs(frozen), ensure_bootstrap_success=False)
+        assert time.monotonic() - started < 2.0 + 15.0
+        nothing_left()
     finally:
         os.kill(daemon, signal.SIGCONT)
     with pytest.raises(ValueError, match="startup_timeout"):

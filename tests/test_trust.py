@@ -45,6 +45,7 @@ from swarm.records import (
     shutdown_dht,
     signer_peer_id,
     stage_key,
+    started_dht,
     visible_maddrs,
 )
 from swarm.rpc import SERVICE, method_path, pb
@@ -229,13 +230,11 @@ def test_an_outsider_who_joins_the_dht_with_its_own_key_gets_no_call_and_no_toke
     intruder = Intruder()
     key = RSAPrivateKey()
     validator = RSASignatureValidator(key)
-    node = hivemind.DHT(
+    node = started_dht(
         initial_peers=peers,
         identity_path=str(_write_identity(key, tmp_path / "intruder.key")),
         record_validators=[validator],
         ensure_bootstrap_success=False,  # it starts even when nobody answers it
-        start=True,
-        await_ready=True,
     )
     node.record_owner = validator.local_public_key.decode()
     try:
@@ -328,13 +327,10 @@ def test_a_forging_node_cannot_overwrite_invent_or_impersonate_records(tmp_path)
         # A node that signs nothing, and one that signs everything with its own key.
         # Members of the run (the DHT answers no one else), with certificates of their own.
         certified = [join_run(swarm.url, RSAPrivateKey(), "trainer", "tiny").authorizer() for _ in range(2)]
-        forgers.append(hivemind.DHT(initial_peers=peers, authorizer=certified[0], start=True))
+        forgers.append(started_dht(initial_peers=peers, authorizer=certified[0]))
         forgers.append(
-            hivemind.DHT(
-                initial_peers=peers,
-                record_validators=[ForeignSignature(RSAPrivateKey())],
-                authorizer=certified[1],
-                start=True,
+            started_dht(
+                initial_peers=peers, record_validators=[ForeignSignature(RSAPrivateKey())], authorizer=certified[1]
             )
         )
         for forger in forgers:
