@@ -172,8 +172,9 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 def averaging_swarm(tmp_path, request):
     """A swarm whose stages average with `[averaging] compression` = the param (with "diloco": in
     DiLoCo phases of 3 steps, so that the 6 steps of the test end with an outer step). A lossy codec
-    for each mode, DiLoCo's the one the README recommends over home uplinks: that every codec leaves the replicas with the same bits is tested round by round on
-    real averagers (tests/test_allreduce.py, tests/test_powersgd.py), at a fraction of a swarm's cost."""
+    for each mode, DiLoCo's the one the README recommends over home uplinks: that every codec leaves
+    the replicas with the same bits is tested round by round on real averagers
+    (tests/test_allreduce.py, tests/test_powersgd.py), at a fraction of a swarm's cost."""
     swarm = averaging_swarm_of(tmp_path, request.param)
     yield swarm
     swarm.close()
