@@ -27,6 +27,7 @@ from coordinator.ca import RunCA
 from swarm.cli import build_parser
 from swarm.client import StageClient
 from swarm.config import ConfigError
+from swarm.identity import RunAuthorizer
 from swarm.join import join_dht, join_run, request_certificate
 from swarm.records import (
     OWNER_MARKER,
@@ -267,6 +268,45 @@ def test_an_outsider_who_joins_the_dht_with_its_own_key_gets_no_call_and_no_toke
         shutdown_dht(node)
         intruder.server.stop(0)
     assert intruder.calls == []
+
+
+def test_a_node_with_a_members_dht_token_but_not_its_key_reads_and_writes_nothing(guarded, tmp_path):
+    """Every DHT request carries its sender's access token, so anyone on the path can copy one. A
+    hostile node joins the run's DHT with a member's copied token and a key of its own (its session
+    key certified by that key, not the token's): it reads no record of the run, and the record it
+    stores for itself reaches no member."""
+    insider = {"Authorization": f"Bearer {JOIN_TOKEN}"}
+    peers = httpx.get(f"{guarded.url}/api/v1/join", headers=insider, timeout=5).json()["initial_peers"]
+    victim = join_run(guarded.url, RSAPrivateKey(), "trainer", guarded.run.run_id, JOIN_TOKEN)
+    key = RSAPrivateKey()
+    validator = RSASignatureValidator(key)
+    thief = RunAuthorizer(key, victim.issued.dht_token, victim.issued.ca, guarded.run.run_id)
+    node = started_dht(
+        initial_peers=peers,
+        identity_path=str(_write_identity(key, tmp_path / "thief.key")),
+        record_validators=[validator],
+        authorizer=thief,
+        ensure_bootstrap_success=False,
+    )
+    node.record_owner = validator.local_public_key.decode()
+    reader = member_dht(guarded.url, JOIN_TOKEN)
+    try:
+        assert read_stage(reader, guarded.run.run_id, 0), "a member reads the live peer's record"
+        assert read_stage(node, guarded.run.run_id, 0) == [], "the thief read the run's records"
+        fake = PeerRecord(
+            peer_id=node.peer_id.to_base58(),
+            stage=0,
+            address="127.0.0.1:9",
+            public_name="thief",
+            state="online",
+            throughput=1e6,
+            capacity=1e6,
+        )
+        announce_peer(node, guarded.run.run_id, fake, ttl=600, timeout=10)
+        assert "thief" not in [r.public_name for r in read_stage(reader, guarded.run.run_id, 0)]
+    finally:
+        shutdown_dht(reader)
+        shutdown_dht(node)
 
 
 def test_a_run_with_a_join_token_trains(guarded):
