@@ -85,8 +85,8 @@ from swarm.records import (
     read_digests,
     read_norm_shares,
     read_progress,
-    read_replica_digests,
     read_trainers,
+    signed_progress,
     stage_members,
     stage_norms,
     state_holders_key,
@@ -452,8 +452,9 @@ def orthonormal(p: torch.Tensor) -> torch.Tensor:
 
 
 class ReplicaCheck:
-    """After every step each replica publishes a digest of its weights; a replica whose digest is
-    not the one most replicas hold (ties: the one whose holder has the smallest peer id) has diverged.
+    """After every step (diloco: every outer step, the outer weights) and every load, each replica
+    publishes a digest of its weights; a replica whose digest is not the one most replicas hold
+    (ties: the one whose holder has the smallest peer id) has diverged.
     Only the digests of the stage's members count (`swarm.records.read_digests`): a DHT node that
     serves no stage cannot outvote the replicas and make them reload the stage's state every step.
 
@@ -876,10 +877,13 @@ class SwarmUpdater:
             },
         )
         self.gone: set[bytes] = set()  # replicas that did not answer at the last step: not counted
+        self.reports: list[tuple[str, int, int]] = []  # the signed reports of the tracker's last fetch
         parse = self.opt.tracker._parse_swarm_progress_data
 
         def without_gone(metadata):
-            # hivemind has no way to leave a peer out of its tracker's count; its parser is wrapped.
+            # hivemind has no way to leave a peer out of its tracker's count, nor to show the reports it
+            # fetched; its parser is wrapped.
+            self.reports = signed_progress(metadata) if isinstance(metadata, dict) else []
             if isinstance(metadata, dict) and self.gone:
                 metadata = {k: v for k, v in metadata.items() if _reporter(v) not in self.gone}
             return parse(metadata)
@@ -983,19 +987,20 @@ class SwarmUpdater:
         ahead: peer/stepper.py `maybe_step`). Its phase of inner steps belongs in the average: stepping
         at once, on the samples of the last step alone, averaged this replica alone and made the other
         load its state (on an H100 the stage-1 replicas of a 2 x 2 swarm averaged in 4 of 40 outer
-        rounds, with H = 5). The replicas' steps are read from the digests they publish after every
-        step (hivemind's tracker stops reporting a peer that serves no samples). A replica that lags
-        further, or answers no ping, is not waited for; and the stepper's deadline still steps once a
-        trainer waits (`force`). Read at most every 0.25 s."""
+        rounds, with H = 5). The replicas' steps are those of the progress reports that the stage's
+        tracker fetched last, each signed by its replica; a replica that serves nothing reports its
+        steps too (`_announce_inner_step`). Only members of the stage count (a DHT member that serves
+        no stage cannot hold the outer step up), and a replica that lags further, or answers no ping,
+        is not waited for; the stepper's deadline still steps once a trainer waits (`force`). Read at
+        most every 0.25 s."""
         read_at, lagging = self.lagging_at
         if time.monotonic() - read_at > 0.25:
             H, me = self.run.averaging.inner_steps, self.opt.dht.peer_id.to_base58()
-            late = [
-                PeerID.from_base58(d.peer_id).to_bytes()
-                for d in read_replica_digests(self.opt.dht, self.run.run_id, self.stage)
-                if d.peer_id != me and d.step < self.epoch and d.step // H == self.epoch // H
-            ]
-            lagging = bool(late) and bool(answering(self.opt.dht, late, timeout=PING_TIMEOUT_S))
+            late = {p for p, step, _ in self.reports if p != me and step < self.epoch and step // H == self.epoch // H}
+            if late:
+                late &= stage_members(self.opt.dht, self.run.run_id, self.stage)
+            pings = [PeerID.from_base58(p).to_bytes() for p in late]
+            lagging = bool(pings) and bool(answering(self.opt.dht, pings, timeout=PING_TIMEOUT_S))
             self.lagging_at = (time.monotonic(), lagging)
         return lagging
 
@@ -1182,7 +1187,7 @@ class SwarmUpdater:
     def _next_inner_step(self, pending: int) -> int:
         """diloco, within a phase: move on to the next step without an all-reduce."""
         before = self.epoch
-        set_epoch(self.opt, before + 1)
+        set_epoch(self.opt, before + 1)  # hivemind's tracker reports the new step when this replica served
         self.last_step = {"step": before, "samples": pending, "group": 1, "s": 0.0, "reduced_bytes": 0}
         log.info(
             "stage %d step %d: %d samples, inner step %d of %d",
@@ -1192,13 +1197,16 @@ class SwarmUpdater:
             before % self.run.averaging.inner_steps + 1,
             self.run.averaging.inner_steps,
         )
-        self._announce_inner_step()
+        if pending == 0:
+            self._announce_inner_step()
         return pending
 
     def _announce_inner_step(self) -> None:
-        """diloco, after a step without an all-reduce: the weights' digest (the outer weights, and the
-        step that `_partner_lagging` reads), and this replica's progress report (`report_progress`)."""
-        self.check.publish(self.epoch, weights_digest(self.held))
+        """diloco, after a step without an all-reduce that this replica served nothing of: its progress
+        report (`report_progress`), with the step that `_partner_lagging` reads, which hivemind's
+        tracker stops storing for a replica that serves nothing. No digest: within a phase the outer
+        weights stay those of its first step, whose digest was published and checked then (a digest
+        and its check at every inner step were two of each replica's five DHT operations a step)."""
         report_progress(self.opt)
 
     def _start_phase(self) -> None:

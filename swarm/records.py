@@ -492,13 +492,17 @@ class ProgressReport(BaseModel):
 
 def read_progress(dht: hivemind.DHT, run_id: str, stage: int) -> list[tuple[str, int, int]]:
     """(peer id, step, samples) of each report to stage `stage`'s progress tracker that its replica
-    signed itself. hivemind's tracker stores a report under its writer's owner marker alone (a bytes
-    subkey), so `_read` does not apply."""
+    signed itself (`signed_progress`)."""
     found = dht.get(f"{averaging_prefix(run_id, stage)}_progress", latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
+    return signed_progress(found.value) if found is not None and isinstance(found.value, dict) else []
+
+
+def signed_progress(entries: dict) -> list[tuple[str, int, int]]:
+    """(peer id, step, samples) of each entry of a stage's progress key (subkey -> value with
+    expiration, as the DHT returns it) that the replica it names signed. hivemind's tracker stores a
+    report under its writer's owner marker alone (a bytes subkey), so `_read` does not apply."""
     reports = []
-    for subkey, item in found.value.items():
+    for subkey, item in entries.items():
         text = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
         marker = OWNER_MARKER.fullmatch(text)
         try:

@@ -2,8 +2,8 @@
 each on a DHT node of its own, driven step by step in one process: inner steps apart, an outer step
 that leaves them bitwise equal at the value DiLoCo's update gives, a joiner mid-phase that takes the
 outer weights and momentum, an outer step that waits for a live replica one step behind (it served none
-of the last step's samples), and a replica whose partner left (closed, or SIGKILLed in a process of its
-own) keeping its own inner progress."""
+of the last step's samples) but not for a DHT member outside the stage that says it is, and a replica
+whose partner left (closed, or SIGKILLed in a process of its own) keeping its own inner progress."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 
 from peer.averaging import SwarmUpdater, live_partners, weights_digest
 from peer.checkpoint import Snapshot, check_checkpoint, write_checkpoint
 from swarm.model import Stage
 from swarm.optim import make_optimizer, param_groups, primed
-from swarm.records import TTL_S, visible_maddrs
+from swarm.records import TTL_S, averaging_prefix, visible_maddrs
 from swarm.schedule import lr_at
 from tests.processes import ROOT
 from tests.test_averaging import FAST_AVERAGING, StageOne, config_with, step_until_taken
@@ -318,6 +319,37 @@ def test_an_outer_step_waits_for_a_live_replica_one_step_behind(stage_one):
 
     follow_the_stage(b)
     assert b.epoch == H - 1
+    outer_step_together(a, b)
+
+
+def test_a_dht_member_outside_the_stage_cannot_hold_up_an_outer_step_with_a_lagging_report(stage_one):
+    """An outer step waits for a live replica of the stage that reports an earlier step of the phase.
+    A DHT member that serves no stage stores such a report in the stage's progress key, signed with
+    its own key as hivemind's tracker signs one, and answers every ping: the outer step does not wait
+    for it (only the stage's members count), and both replicas take it together."""
+    run = stage_one.run
+    a, b, _, ga, gb, half = two_replicas(stage_one)
+    full = run.training.global_batch
+    for _ in range(H - 1):
+        take_step([a, b], [ga, gb], half)
+    attacker = stage_one.node()
+    lagging = dict(
+        peer_id=attacker.peer_id.to_bytes(),
+        epoch=H - 2,
+        samples_accumulated=0,
+        samples_per_second=1.0,
+        time=get_dht_time(),
+        client_mode=False,
+    )
+    key = f"{averaging_prefix(run.run_id, 1)}_progress"
+    assert attacker.store(key, lagging, get_dht_time() + TTL_S, subkey=attacker.record_owner.encode())
+    serve(a, ga, full)  # the outer step's batch, all on a
+    see_each_other([a, b])
+    deadline = time.monotonic() + 10
+    while (attacker.peer_id.to_base58(), H - 2, 0) not in a.reports:
+        assert time.monotonic() < deadline, "a's tracker never fetched the report"
+        time.sleep(0.1)
+    assert a.ready(full), "a report of a node outside the stage held the outer step up"
     outer_step_together(a, b)
 
 
