@@ -74,7 +74,9 @@ AFTER_GOAL = 0.675  # steady tokens/s after the kill ÷ before: 0.9 x the 3/4 of
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/tiny.toml", help="a 2-stage run config")
-    p.add_argument("--steps", type=int, default=80, help="trainer steps (fixed, so its final counts are complete)")
+    # 160: at about 0.7 s a step (tiny.toml, 2 x 2 on 2 cores), 80 steps left no window that starts
+    # 20 s after the kill, and the steady figure after it came out nan.
+    p.add_argument("--steps", type=int, default=160, help="trainer steps (fixed, so its final counts are complete)")
     p.add_argument("--stage", type=int, default=1, help="stage of the peer to kill (default: the last, 1)")
     p.add_argument("--call-timeout", type=float, default=5.0, help="seconds before a call is retried elsewhere")
     p.add_argument("--inflight", type=int, default=4)
