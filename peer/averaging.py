@@ -880,13 +880,13 @@ class SwarmUpdater:
             },
         )
         self.gone: set[bytes] = set()  # replicas that did not answer at the last step: not counted
-        self.reports: list[tuple[str, int, int]] = []  # the signed reports of the tracker's last fetch
+        self.fetched: dict = {}  # what the tracker's last fetch found (parsed only when read: `reports`)
         parse = self.opt.tracker._parse_swarm_progress_data
 
         def without_gone(metadata):
             # hivemind has no way to leave a peer out of its tracker's count, nor to show the reports it
             # fetched; its parser is wrapped.
-            self.reports = signed_progress(metadata) if isinstance(metadata, dict) else []
+            self.fetched = metadata if isinstance(metadata, dict) else {}
             if isinstance(metadata, dict) and self.gone:
                 metadata = {k: v for k, v in metadata.items() if _reporter(v) not in self.gone}
             return parse(metadata)
@@ -896,6 +896,12 @@ class SwarmUpdater:
     @property
     def epoch(self) -> int:
         return self.opt.local_epoch
+
+    @property
+    def reports(self) -> list[tuple[str, int, int]]:
+        """(peer id, step, samples) of the progress reports in the tracker's last fetch that their
+        replicas signed. Parsed here, not at each fetch (up to 10 a second): only an outer step reads them."""
+        return signed_progress(self.fetched)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
