@@ -718,11 +718,22 @@ def live_partners(opt: hivemind.Optimizer, reports: dict[bytes, dict] | None = N
     return alive
 
 
-def group_size(opt: hivemind.Optimizer, previous) -> int:
-    """How many peers the all-reduce of the step just taken included (1: it averaged alone);
-    `previous`: the optimizer's scheduled round before the step."""
+def spent_round(opt: hivemind.Optimizer):
+    """The optimizer's scheduled round, if a step already used it (triggered or finished); None when
+    there is none, or when it is still waiting for a step. hivemind's step uses a round scheduled
+    ahead of it (by an earlier try of the same step, whose tracker was not ready yet) and keeps the
+    same object: such a round is this step's, not an earlier one's."""
     control = opt.scheduled_grads
-    if control is None or control is previous or not control.done():
+    return control if control is not None and (control.triggered or control.done()) else None
+
+
+def group_size(opt: hivemind.Optimizer, spent) -> int:
+    """How many peers the all-reduce of the step just taken included (1: it averaged alone);
+    `spent`: `spent_round` before the step. Comparing with any round scheduled before the step
+    counted a round scheduled by an earlier try and used by this one as no round: a replica of a
+    group of 2 said it averaged alone."""
+    control = opt.scheduled_grads
+    if control is None or control is spent or not control.done():
         return 1
     if control.cancelled() or control.exception() is not None:  # exception() raises on a cancelled one
         return 1
@@ -1105,7 +1116,7 @@ class SwarmUpdater:
         members = stage_members(self.opt.dht, self.run.run_id, self.stage)
         self.opt.grad_averager.cap(self._caps(members))
         self.opt.grad_averager.expect(self._group_target(partners, members))
-        before, control = self.epoch, self.opt.scheduled_grads
+        before, spent = self.epoch, spent_round(self.opt)
         reduced = self.opt.grad_averager.reduced_bytes.value
         self.norms.step = before
         started = time.perf_counter()
@@ -1126,7 +1137,7 @@ class SwarmUpdater:
             # The outer step is taken (or, group 0 below, not: then the stage's state is loaded):
             # the next phase starts from the outer weights.
             self._start_phase()
-        group = group_size(self.opt, control)
+        group = group_size(self.opt, spent)
         optimizer = self.opt.state_averager.optimizer
         if optimizer.skipped:
             # The average came back non-finite (part of the all-reduce failed): the step was not

@@ -163,6 +163,21 @@ def test_an_outer_step_averages_the_pseudo_gradients_and_leaves_the_replicas_bit
     assert max((x - s).abs().max().item() for x, s in zip(weights(a.module), start, strict=True)) > 1e-4
 
 
+def test_a_replica_that_an_earlier_try_left_a_scheduled_round_counts_the_group_it_averaged_in(stage_one):
+    """A try of the step that found the stage's count short leaves hivemind's round scheduled, not yet
+    used, and the next try uses that round: the replica averaged in a group of 2 and says so (it
+    said 1, as if it had stepped alone, and then settled digests it had no reason to doubt)."""
+    a, b, _, ga, gb, half = two_replicas(stage_one)
+    for _ in range(H - 1):
+        take_step([a, b], [ga, gb], half)
+    b.opt.scheduled_grads = b.opt.grad_averager.schedule_step(timeout=ROUND_S)  # as hivemind schedules it
+    take_step([a, b], [ga, gb], half)
+    assert a.last_step["group"] == b.last_step["group"] == 2, (a.last_step, b.last_step)
+    assert not b.lone
+    for x, y in zip(weights(a.module), weights(b.module), strict=True):
+        assert torch.equal(x, y)
+
+
 def test_within_a_phase_the_stages_agreed_weights_are_the_outer_ones_of_the_last_outer_step(stage_one):
     """What a Parameters call (and so `swarm export`) reads: every replica of the stage hands over the
     same weights at the same step mid-phase, the outer ones, not its own inner weights."""
