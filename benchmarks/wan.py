@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "other run's tokens/s as a multiple of it",
     )
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument(
+        "--inflight", type=int, default=None, help="the trainer's microbatches in flight, every run (default: its own)"
+    )
+    p.add_argument(
+        "--delayed-updates", action="store_true", help="the trainer's --delayed-updates, every run (spot checks off)"
+    )
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from tokens/s")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
 
@@ -66,7 +72,15 @@ def tokens_per_s(steps: list[dict], warmup: int, config) -> float:
     return len(done) * config.training.global_batch * config.model.seq_len / seconds
 
 
-def one_run(config_path: Path, mbit: float, homes: set[str], steps: int, timeout: float) -> tuple[list[dict], float]:
+def trainer_flags(args: argparse.Namespace) -> list[str]:
+    """The `swarm train` flags that every run of this benchmark passes."""
+    flags = ["--inflight", str(args.inflight)] if args.inflight else []
+    return flags + (["--delayed-updates", "--verify-fraction", "0"] if args.delayed_updates else [])
+
+
+def one_run(
+    config_path: Path, mbit: float, homes: set[str], steps: int, timeout: float, flags: list[str] = ()
+) -> tuple[list[dict], float]:
     """A run at `mbit`; its step log and the seconds until every peer in `homes` served (0: no homes;
     nan: one had served nothing when the trainer ended)."""
     with Internet() as net, tempfile.TemporaryDirectory(prefix="swarm-wan-") as tmp:
@@ -83,7 +97,7 @@ def one_run(config_path: Path, mbit: float, homes: set[str], steps: int, timeout
             )
             if homes:
                 swarm.state(lambda s: all(by_name(s, "reach").get(n) == "relayed" for n in homes), 120)
-            swarm.train(steps, wait=False)
+            swarm.train(steps, *flags, wait=False)
             trainer = swarm.procs[-1]
             first_served = 0.0
             if homes:
@@ -103,6 +117,11 @@ def one_run(config_path: Path, mbit: float, homes: set[str], steps: int, timeout
 
 COLUMNS = ["config", "Mbit/s per node", "peers", "steps", "tokens/s", "relayed ÷ direct", "s to first relayed", "notes"]
 NOTE = "no added latency (no netem); tokens/s after the warm-up steps"
+
+
+def run_note(args: argparse.Namespace) -> str:
+    """What every row of a run notes: the emulation, and the trainer's flags when set."""
+    return NOTE + (f"; trainer {' '.join(trainer_flags(args))}" if trainer_flags(args) else "")
 
 
 def compressions(text: str) -> list[str]:
@@ -128,7 +147,7 @@ def run(args: argparse.Namespace) -> str:
                 text = with_wire(text, args.wire) if args.wire else text
                 text = with_averaging(text, averaging_spec(compression))
             path.write_text(text)
-            steps, first = one_run(path, mbit, homes, args.steps, args.timeout_s)
+            steps, first = one_run(path, mbit, homes, args.steps, args.timeout_s, trainer_flags(args))
             return tokens_per_s(steps, args.warmup, config), first
 
         bandwidths = [float(x) for x in args.mbit.split(",")]
@@ -138,7 +157,7 @@ def run(args: argparse.Namespace) -> str:
             for mbit in bandwidths:
                 rate = shipped[mbit] = measure(None, mbit, set())[0]
                 print(f"{mbit:g} Mbit/s, the config as shipped, direct: {rate:,.0f} tokens/s", flush=True)
-                note = f"the config as shipped: wire {config.wire.codec}, averaging {what}; {NOTE}"
+                note = f"the config as shipped: wire {config.wire.codec}, averaging {what}; {run_note(args)}"
                 values = [args.config, f"{mbit:g}", "all direct", args.steps, f"{rate:.0f}", "", "", note]
                 rows.append(append_row(SECTION, COLUMNS, values))
         for compression in args.compressions:
@@ -146,7 +165,7 @@ def run(args: argparse.Namespace) -> str:
                 rate = rates[compression, mbit] = measure(compression, mbit, set())[0]
                 versus = f", {rate / shipped[mbit]:.2f}x the config as shipped in the same run" if shipped else ""
                 print(f"{mbit:g} Mbit/s, averaging {compression}, direct: {rate:,.0f} tokens/s{versus}", flush=True)
-                note = f"wire {args.wire or config.wire.codec}, averaging {compression}{versus}; {NOTE}"
+                note = f"wire {args.wire or config.wire.codec}, averaging {compression}{versus}; {run_note(args)}"
                 values = [args.config, f"{mbit:g}", "all direct", args.steps, f"{rate:.0f}", "", "", note]
                 rows.append(append_row(SECTION, COLUMNS, values))
         mbit, compression = args.relay_mbit, args.compressions[0]
@@ -161,7 +180,7 @@ def run(args: argparse.Namespace) -> str:
     verdict = "met" if ratio >= 0.8 else "NOT met"
     note = (
         f"goal relayed ÷ direct >= 0.8: {verdict}; b0, b1 behind home routers, relayed by the coordinator; "
-        f"averaging compression {compression}; {NOTE}"
+        f"averaging compression {compression}; {run_note(args)}"
     )
     values = [args.config, f"{mbit:g}", "b0, b1 relayed", args.steps, f"{relayed:.0f}", f"{ratio:.2f}", f"{first:.1f}"]
     rows.append(append_row(SECTION, COLUMNS, [*values, note]))

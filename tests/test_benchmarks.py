@@ -78,6 +78,8 @@ TINY = {
         "int8/diloco2",
         "--wire",
         "int8",
+        "--inflight",
+        "2",
         "--shipped",
     ],
     "wire": ["--reps", "2", "--warmup", "1", "--codecs", "bf16", "--modules", "noop", "--batch", "2"],
@@ -188,7 +190,7 @@ def test_wire_smoke_times_calls_over_mutual_tls_too(smoke_runs):
 
 def test_wan_smoke_sets_each_run_beside_the_config_as_shipped(smoke_runs):
     """With --shipped, the wan benchmark first runs the config as it is (tiny.toml's own wire codec and
-    averaging) and notes the other run's tokens/s as a multiple of it."""
+    averaging) and notes the other run's tokens/s as a multiple of it; the trainer's flags go to both runs."""
     if (why := unavailable()) is not None:
         pytest.skip(f"no emulated internet here: {why}")
     _, futures = smoke_runs
@@ -200,6 +202,7 @@ def test_wan_smoke_sets_each_run_beside_the_config_as_shipped(smoke_runs):
     own = f"wire {tiny.wire.codec}, averaging {tiny.averaging.mode}, {tiny.averaging.compression};"
     assert shipped["notes"].startswith(f"the config as shipped: {own}"), shipped
     assert diloco["notes"].startswith("wire int8, averaging int8/diloco2, "), diloco
+    assert all(r["notes"].endswith("; trainer --inflight 2") for r in (shipped, diloco)), rows  # both runs took it
     multiple = float(re.search(r", ([0-9.]+)x the config as shipped in the same run;", diloco["notes"])[1])
     rates = float(diloco["tokens/s"]), float(shipped["tokens/s"])
     rounding = 0.005 + 0.5 / rates[1] + 0.5 * rates[0] / rates[1] ** 2  # 2 decimals; whole tokens/s in the rows
