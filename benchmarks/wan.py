@@ -19,6 +19,7 @@ import argparse
 import math
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
 
@@ -79,7 +80,7 @@ def trainer_flags(args: argparse.Namespace) -> list[str]:
 
 
 def one_run(
-    config_path: Path, mbit: float, homes: set[str], steps: int, timeout: float, flags: list[str] = ()
+    config_path: Path, mbit: float, homes: set[str], steps: int, timeout: float, flags: Sequence[str] = ()
 ) -> tuple[list[dict], float]:
     """A run at `mbit`; its step log and the seconds until every peer in `homes` served (0: no homes;
     nan: one had served nothing when the trainer ended)."""
@@ -121,7 +122,8 @@ NOTE = "no added latency (no netem); tokens/s after the warm-up steps"
 
 def run_note(args: argparse.Namespace) -> str:
     """What every row of a run notes: the emulation, and the trainer's flags when set."""
-    return NOTE + (f"; trainer {' '.join(trainer_flags(args))}" if trainer_flags(args) else "")
+    flags = trainer_flags(args)
+    return NOTE + (f"; trainer {' '.join(flags)}" if flags else "")
 
 
 def compressions(text: str) -> list[str]:
