@@ -34,6 +34,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 from urllib.parse import urlencode
 
 import httpx
@@ -74,6 +76,11 @@ log = logging.getLogger(__name__)
 # Leaving (the drain, the stage's optimizer, the DHT node) is bounded piece by piece; should any
 # of it hang anyway, the process dumps every thread's stack to stderr and exits (code 1) after this.
 EXIT_DEADLINE_S = 20.0
+# The daemon's loop waits this long for a DHT read (its stage's records, removals) before it goes on
+# without it: two refresh periods, above hivemind's 3 s per call to a node that does not answer.
+DHT_READ_TIMEOUT_S = 2 * REFRESH_S
+
+T = TypeVar("T")
 # Peers that start together wait a random time up to this before they pick a stage, so that each
 # sees the ones before it and they spread out.
 SPREAD_WAIT_S = 2.0
@@ -291,9 +298,10 @@ class PeerDaemon:
             optimizer_steps=self.worker.optimizer_steps,
         )
 
-    def removed(self) -> bool:
-        """Whether the operator removed this peer from the run (through the coordinator)."""
-        return self.record.peer_id in read_removed(self.dht, self.run.run_id, self.coordinators)
+    def removed(self, timeout: float | None = None) -> bool:
+        """Whether the operator removed this peer from the run (through the coordinator); `timeout`
+        bounds the DHT read (TimeoutError)."""
+        return self.record.peer_id in read_removed(self.dht, self.run.run_id, self.coordinators, timeout)
 
     def leave_stage(self, timeout: float = 0, moving_to: int | None = None) -> None:
         """Announce leaving (for stage `moving_to`, if moving), let in-flight requests finish (new
@@ -320,17 +328,17 @@ class PeerDaemon:
             f"worker {time.monotonic() - drained:.1f} s)"
         )
 
-    def track_swarm(self) -> SwarmView:
+    def track_swarm(self, timeout: float | None = None) -> SwarmView:
         """Read the swarm, and tell the worker the step most of the other machines announce: how far a
-        request may move it (peer/stepper.py `reachable`)."""
-        view = read_swarm(self.dht, self.run.run_id, self.run.stages.count)
+        request may move it (peer/stepper.py `reachable`); `timeout` bounds each DHT read (TimeoutError)."""
+        view = read_swarm(self.dht, self.run.run_id, self.run.stages.count, timeout)
         self.worker.stepper.swarm_step = others_step(view, self.record.peer_id)
         return view
 
-    def watch(self) -> SwarmView | None:
+    def watch(self, timeout: float | None = None) -> SwarmView | None:
         """`track_swarm`; the view when it is steady enough to rebalance on (swarm/rebalance.py:
         `Steadiness`), else None. Called at every refresh, so that a change between two checks is seen."""
-        view = self.track_swarm()
+        view = self.track_swarm(timeout)
         return view if self.steadiness.observe(view, get_dht_time()) else None
 
     def rebalance(self, view: SwarmView) -> None:
@@ -495,17 +503,44 @@ def run_peer(options: PeerOptions) -> int:
             return time.monotonic() + random.uniform(0.5, 1.5) * period
 
         check_at, last_status = next_check(), time.monotonic()
+        stalled = False  # the loop's last DHT read went unanswered
+
+        def answered(read: Callable[[], T]) -> T | None:
+            """`read`'s value, None when the DHT did not answer it in time (said once per stall)."""
+            nonlocal stalled
+            try:
+                value = read()
+            except TimeoutError:
+                if not stalled:
+                    log.warning(
+                        f"peer {peer.name}: a DHT read got no answer in {DHT_READ_TIMEOUT_S:g} s (a node frozen or "
+                        "cut off?); serving on with the swarm as last read"
+                    )
+                stalled = True
+                return None
+            if stalled:
+                log.info(f"peer {peer.name}: the DHT answers again")
+            stalled = False
+            return value
+
+        # Each DHT read is bounded, and the stop is looked at between them: a DHT node that froze (SIGSTOP,
+        # a machine that hangs) kept a read waiting with no end, and the loop then neither refreshed this
+        # peer's record nor left on Ctrl-C. The record's store is bounded too (`announce`).
         while not stop.wait(REFRESH_S):
-            if peer.removed():
+            if answered(lambda: peer.removed(DHT_READ_TIMEOUT_S)):
                 log.warning(f"peer {peer.name}: removed from the run by the operator")
                 break  # and leave as on SIGTERM
+            if stop.is_set():
+                break
             peer.refresh()
+            if stop.is_set():
+                break
             # A check that falls due while the swarm is unsteady waits for it to settle.
             if options.rebalance:
-                view = peer.watch()
+                view = answered(lambda: peer.watch(DHT_READ_TIMEOUT_S))
             else:
                 view = None
-                peer.track_swarm()
+                answered(lambda: peer.track_swarm(DHT_READ_TIMEOUT_S))
             if options.faults.restless and time.monotonic() >= check_at:
                 peer.move((peer.record.stage + 1) % run.stages.count)
                 check_at = next_check()

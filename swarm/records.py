@@ -439,6 +439,33 @@ def shutdown_dht(dht: hivemind.DHT) -> None:
         dht.join(timeout=3)
 
 
+# How often a get that waits looks whether the DHT process is still there.
+GET_POLL_S = 0.5
+
+
+def get(dht: hivemind.DHT, key: str, timeout: float | None = None):
+    """The latest value under `key`; with `timeout`, TimeoutError when no answer came in time, or
+    none can come (the DHT process ended), and the get is cancelled (without, it waits as long as it
+    takes). In hivemind 1.1.12 a get waits
+    with no end for a DHT process that ended under it: SIGTERM to a peer's process group ends its DHT
+    process too, and a peer whose loop was in a get then (likely when the DHT is slow to answer: a node
+    frozen, a loaded machine) never saw the signal. A node that froze (SIGSTOP, a machine that hangs)
+    also keeps its connections open and slows every get that asks it."""
+    future = dht.get(key, latest=True, return_future=True)
+    if timeout is None:
+        return future.result()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return future.result(timeout=min(GET_POLL_S, max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            gone = not dht.is_alive()
+            if gone or time.monotonic() >= deadline:
+                future.cancel()
+                why = "its process ended" if gone else f"none in {timeout:g} s"
+                raise TimeoutError(f"no answer from the DHT for {key!r}: {why}") from None
+
+
 def _read(
     dht: hivemind.DHT,
     key: str,
@@ -446,13 +473,15 @@ def _read(
     id_of: Callable,
     signers: set[str] | None = None,
     self_signed: bool = False,
+    timeout: float | None = None,
 ) -> list:
     """The records under `key` that are owned (their subkey names them and ends in their writer's
     key, which the DHT checked the signature against) and well-formed; with `signers`, only those
     signed with the identity key of one of these DHT peer ids. `id_of(record)` must be the name in
     the subkey: a writer cannot pass its record off as another's. With `self_signed` (the name is a
-    DHT peer id), the name must also be the signer's own peer id: nobody else can speak for it."""
-    found = dht.get(key, latest=True)
+    DHT peer id), the name must also be the signer's own peer id: nobody else can speak for it.
+    With `timeout`, TimeoutError when the DHT has not answered in time (`get`)."""
+    found = get(dht, key, timeout)
     if found is None or not isinstance(found.value, dict):
         return []
     records = []
@@ -516,15 +545,16 @@ def signed_progress(entries: dict) -> list[tuple[str, int, int]]:
     return reports
 
 
-def read_stage(dht: hivemind.DHT, run_id: str, stage: int) -> list[PeerRecord]:
+def read_stage(dht: hivemind.DHT, run_id: str, stage: int, timeout: float | None = None) -> list[PeerRecord]:
     """The stage's peer records, each signed by the peer it names (see the module docstring)."""
-    records = _read(dht, stage_key(run_id, stage), PeerRecord, lambda r: r.peer_id, self_signed=True)
+    key = stage_key(run_id, stage)
+    records = _read(dht, key, PeerRecord, lambda r: r.peer_id, self_signed=True, timeout=timeout)
     return [r for r in records if r.stage == stage]
 
 
-def read_trainers(dht: hivemind.DHT, run_id: str) -> list[TrainerRecord]:
+def read_trainers(dht: hivemind.DHT, run_id: str, timeout: float | None = None) -> list[TrainerRecord]:
     """The run's trainer records: owned, but not self-signed (a trainer id is not a DHT peer id)."""
-    return _read(dht, trainers_key(run_id), TrainerRecord, lambda r: r.trainer_id)
+    return _read(dht, trainers_key(run_id), TrainerRecord, lambda r: r.trainer_id, timeout=timeout)
 
 
 def read_control(dht: hivemind.DHT, run_id: str, coordinators: set[str] | None = None) -> ControlState:
@@ -535,9 +565,12 @@ def read_control(dht: hivemind.DHT, run_id: str, coordinators: set[str] | None =
     return max(records, key=lambda c: c.updated, default=ControlState())
 
 
-def read_removed(dht: hivemind.DHT, run_id: str, coordinators: set[str] | None = None) -> set[str]:
+def read_removed(
+    dht: hivemind.DHT, run_id: str, coordinators: set[str] | None = None, timeout: float | None = None
+) -> set[str]:
     """Peer ids the operator removed from the run (with `coordinators`: through one of those)."""
-    return {r.peer_id for r in _read(dht, removed_key(run_id), RemovedRecord, lambda r: r.peer_id, coordinators)}
+    records = _read(dht, removed_key(run_id), RemovedRecord, lambda r: r.peer_id, coordinators, timeout=timeout)
+    return {r.peer_id for r in records}
 
 
 def stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> set[str]:
@@ -615,10 +648,16 @@ def switched(record: PeerRecord, now: float) -> bool:
     return record.moving_to is not None and record.ready_at is not None and record.ready_at <= now
 
 
-def read_swarm(dht: hivemind.DHT, run_id: str, num_stages: int) -> SwarmView:
+def read_swarm(dht: hivemind.DHT, run_id: str, num_stages: int, timeout: float | None = None) -> SwarmView:
+    """Every stage's records and the trainers'; `timeout` bounds all of these reads together (`get`)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
     return SwarmView(
-        stages=[read_stage(dht, run_id, k) for k in range(num_stages)],
-        trainers=read_trainers(dht, run_id),
+        stages=[read_stage(dht, run_id, k, left()) for k in range(num_stages)],
+        trainers=read_trainers(dht, run_id, left()),
         read_at=time.time(),
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,11 +16,21 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from coordinator.ca import RunCA
+from peer.daemon import DHT_READ_TIMEOUT_S
 from peer.service import start_server
 from peer.worker import StageWorker
 from swarm.children import processes
 from swarm.config import load_config
-from swarm.records import answering, make_dht, reconnect, shutdown_dht, started_dht, visible_maddrs
+from swarm.records import (
+    REFRESH_S,
+    answering,
+    get,
+    make_dht,
+    reconnect,
+    shutdown_dht,
+    started_dht,
+    visible_maddrs,
+)
 from swarm.trainer import Membership, SwarmCaller, step_hold_s
 from swarm.verify import SpotChecks
 from swarm.wire import encode
@@ -100,6 +111,40 @@ def _command(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def test_a_bounded_get_gives_up_at_once_when_its_dht_process_ends_under_it(nodes):
+    """A get that waits on a frozen node (its p2pd stopped: it takes connections and never answers)
+    while the reader's own DHT process ends under it, as SIGTERM to a peer's process group ends it:
+    hivemind's future of the get is never resolved, and a peer's loop waited in it with no end. `get`
+    with a bound says so within its poll, and before that still answers."""
+    reader, _, frozen = nodes
+    assert get(reader, "nothing-here", timeout=30) is None  # an answer: nothing stored there
+    (daemon,) = child_pids(frozen.pid)
+    os.kill(daemon, signal.SIGSTOP)
+    try:
+        outcome: dict = {}
+
+        def read() -> None:
+            try:
+                outcome["value"] = get(reader, "nothing-here", timeout=60)
+            except TimeoutError as err:
+                outcome["error"] = str(err)
+            outcome["at"] = time.monotonic()
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        time.sleep(1.0)  # the get waits on the frozen node (hivemind waits 3 s for a call)
+        assert thread.is_alive(), f"the get did not wait on the frozen node: {outcome}"
+        ended = time.monotonic()
+        for pid in [reader.pid, *child_pids(reader.pid)]:
+            os.kill(pid, signal.SIGTERM)
+        thread.join(30)
+        assert not thread.is_alive(), "the get still waits for a DHT process that ended"
+        assert "its process ended" in outcome.get("error", ""), outcome
+        assert outcome["at"] - ended < 10.0  # GET_POLL_S; the margin is for a loaded machine
+    finally:
+        os.kill(daemon, signal.SIGCONT)
 
 
 def test_reconnect_pings_the_nodes_at_the_addresses_it_is_given(nodes):
@@ -244,3 +289,40 @@ def test_the_trainer_closes_the_channel_of_a_peer_it_stopped_calling_and_keeps_i
         client.info()
     response, _ = pipe.call(1, 1, lambda c: c.info())
     assert response.stage == 1 and pipe.clients.values() != [client] and pipe.bytes_on_wire() > wire
+
+
+PEERS = {"a0": 0, "a1": 1}
+
+
+def test_sigterm_ends_peers_whose_dht_reads_wait_on_a_frozen_node(tmp_path):
+    """The coordinator's whole group frozen (SIGSTOP: its DHT node keeps its connections open and never
+    answers, as a machine that hangs), every DHT read of a peer's loop waits on it. SIGTERM to a peer's
+    group then ends its DHT process under a read in flight, and that read waited with no end: neither
+    peer had left a minute later. Now each leaves at once, and cleanly."""
+    swarm = Swarm(tmp_path)
+    frozen = False
+    try:
+        # With a DHT of three nodes, one frozen, a peer's reads mostly wait on it (with four peers they
+        # found answers elsewhere, and the signal rarely came during one).
+        for name, stage in PEERS.items():
+            swarm.add_peer(name, stage)
+        swarm.wait_online(list(PEERS))
+        swarm.coordinator.signal_group(signal.SIGSTOP)
+        frozen = True
+        time.sleep(2 * REFRESH_S)  # the peers' loops read through the frozen node
+        stopped_at = time.monotonic()
+        for name in PEERS:
+            swarm.peers[name].signal_group(signal.SIGTERM)
+        for name, stage in PEERS.items():
+            peer = swarm.peers[name]
+            try:
+                peer.popen.wait(DHT_READ_TIMEOUT_S + 15)  # at worst a read's bound, then the leave
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} still running {time.monotonic() - stopped_at:.0f} s after SIGTERM")
+            print(f"{name} exited {time.monotonic() - stopped_at:.1f} s after SIGTERM, its coordinator frozen")
+            assert peer.popen.returncode == 0, peer.output()[-3000:]
+            assert f"peer {name}: left stage {stage}" in peer.output(), peer.output()[-3000:]
+    finally:
+        if frozen:
+            swarm.coordinator.signal_group(signal.SIGCONT)
+        swarm.close()
