@@ -72,6 +72,7 @@ from swarm.relay import RelayHub, RelayLink, start_relay
 from swarm.steps import majority_step, others_step
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Leaving (the drain, the stage's optimizer, the DHT node) is bounded piece by piece; should any
 # of it hang anyway, the process dumps every thread's stack to stderr and exits (code 1) after this.
@@ -79,8 +80,6 @@ EXIT_DEADLINE_S = 20.0
 # The daemon's loop waits this long for a DHT read (its stage's records, removals) before it goes on
 # without it: two refresh periods, above hivemind's 3 s per call to a node that does not answer.
 DHT_READ_TIMEOUT_S = 2 * REFRESH_S
-
-T = TypeVar("T")
 # Peers that start together wait a random time up to this before they pick a stage, so that each
 # sees the ones before it and they spread out.
 SPREAD_WAIT_S = 2.0
@@ -330,7 +329,7 @@ class PeerDaemon:
 
     def track_swarm(self, timeout: float | None = None) -> SwarmView:
         """Read the swarm, and tell the worker the step most of the other machines announce: how far a
-        request may move it (peer/stepper.py `reachable`); `timeout` bounds each DHT read (TimeoutError)."""
+        request may move it (peer/stepper.py `reachable`); `timeout` bounds its DHT reads together (TimeoutError)."""
         view = read_swarm(self.dht, self.run.run_id, self.run.stages.count, timeout)
         self.worker.stepper.swarm_step = others_step(view, self.record.peer_id)
         return view

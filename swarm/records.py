@@ -444,13 +444,11 @@ GET_POLL_S = 0.5
 
 
 def get(dht: hivemind.DHT, key: str, timeout: float | None = None):
-    """The latest value under `key`; with `timeout`, TimeoutError when no answer came in time, or
-    none can come (the DHT process ended), and the get is cancelled (without, it waits as long as it
-    takes). In hivemind 1.1.12 a get waits
-    with no end for a DHT process that ended under it: SIGTERM to a peer's process group ends its DHT
-    process too, and a peer whose loop was in a get then (likely when the DHT is slow to answer: a node
-    frozen, a loaded machine) never saw the signal. A node that froze (SIGSTOP, a machine that hangs)
-    also keeps its connections open and slows every get that asks it."""
+    """The latest value under `key`; with `timeout`, TimeoutError when no answer came in time, or none
+    can come (the DHT process ended), and the get is cancelled; without, it waits as long as it takes.
+    In hivemind 1.1.12 a get waits with no end for a DHT process that ended under it: SIGTERM to a
+    peer's process group ends its DHT process too, and a peer whose loop was in a get then (likely when
+    the DHT is slow to answer: a node frozen, a loaded machine) never saw the signal."""
     future = dht.get(key, latest=True, return_future=True)
     if timeout is None:
         return future.result()
