@@ -454,7 +454,10 @@ def orthonormal(p: torch.Tensor) -> torch.Tensor:
 class ReplicaCheck:
     """After every step (diloco: every outer step, the outer weights) and every load, each replica
     publishes a digest of its weights; a replica whose digest is not the one most replicas hold
-    (ties: the one whose holder has the smallest peer id) has diverged.
+    has diverged. Ties go to a digest that a replica offering the stage's state holds (`sources`:
+    hivemind's state holders), then to the one whose holder has the smallest peer id: a replica
+    behind a home router (client mode) offers no state, and when it alone held the winning digest,
+    the other replica could load it from nobody and went on looking, several times a second.
     Only the digests of the stage's members count (`swarm.records.read_digests`): a DHT node that
     serves no stage cannot outvote the replicas and make them reload the stage's state every step.
 
@@ -463,8 +466,9 @@ class ReplicaCheck:
 
     WAIT_S = 5.0  # how long after its step a replica keeps looking for the others' digests
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, stage: int):
-        self.dht, self.run_id, self.stage = dht, run_id, stage
+    def __init__(self, dht: hivemind.DHT, run_id: str, stage: int, sources: Callable[[], set[str]] = set):
+        """`sources`: the peer ids (base58) of the replicas that offer the stage's state, read at a tie."""
+        self.dht, self.run_id, self.stage, self.sources = dht, run_id, stage, sources
         self.me = dht.peer_id.to_base58()
         self.mine: tuple[int, str] | None = None
         self.settled = True  # nothing to check until the first step
@@ -490,7 +494,16 @@ class ReplicaCheck:
         if len(digests) < 2:
             return False
         holders = collections.Counter(digests.values())
-        winner = min(holders, key=lambda d: (-holders[d], min(p for p, v in digests.items() if v == d)))
+        most = max(holders.values())
+        tied = [d for d in holders if holders[d] == most]
+        offered = self.sources() if len(tied) > 1 else set()
+        winner = min(
+            tied,
+            key=lambda d: (
+                not any(digests[p] == d for p in offered if p in digests),
+                min(p for p, v in digests.items() if v == d),
+            ),
+        )
         return winner != self.mine[1]
 
 
@@ -817,7 +830,9 @@ class SwarmUpdater:
         self.alone_at = 0.0  # when `settling` last looked for live partners
         self.failed_loads = 0  # loads in a row that brought nothing new while missed
         self.loaded_at: int | None = None  # the step of the last load of the stage's state
-        self.check = ReplicaCheck(dht, run.run_id, stage)
+        self.check = ReplicaCheck(
+            dht, run.run_id, stage, sources=lambda: {PeerID(p).to_base58() for p in self._state_holders()}
+        )
         self.last_step: dict = {}
         self.rounds: collections.deque[float] = collections.deque(maxlen=self.ROUND_HISTORY)  # seconds, groups >= 2
         self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, a.sync_timeout_s, idle)
@@ -1304,10 +1319,16 @@ class SwarmUpdater:
                 if self.failed_loads < self.MAX_FAILED_LOADS:
                     return self.source
                 log.info(f"stage {self.stage} step {self.epoch}: no peer offers a newer state; keeping this one")
+        source = self.source
+        if not others and self.missed:
+            # Told its weights differ, with no other replica to load from (any others are behind home
+            # routers): these weights stand until the next step; looking again at once found nobody again.
+            self.loaded_at = self.epoch
+            source = "these weights: no other replica offers the stage's state"
         self.missed, self.failed_loads = False, 0
         offer(self.opt.state_averager, self.epoch)
         self.check.publish(self.epoch, weights_digest(self.held))
-        return self.source
+        return source
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> str:
         """Take weights, optimizer state and step from `checkpoint`, as hivemind's

@@ -20,6 +20,8 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
@@ -35,6 +37,7 @@ from peer.averaging import (
     live_partners,
     step_bits,
     tracked_partners,
+    weights_digest,
 )
 from peer.options import Faults
 from peer.requests import ForwardWork
@@ -233,10 +236,16 @@ class StageOne:
         self.nodes: list[hivemind.DHT] = []
         self.replicas: list[SwarmUpdater] = []
 
-    def node(self, stage: int | None = None) -> hivemind.DHT:
-        """A new DHT node; with `stage`, a member of it: it has a record there for the whole test,
-        as a peer serving the stage announces."""
-        dht = make_dht(visible_maddrs(self.nodes[0]), record_key=RSAPrivateKey()) if self.nodes else make_dht()
+    def node(
+        self, stage: int | None = None, key: RSAPrivateKey | None = None, client_mode: bool = False
+    ) -> hivemind.DHT:
+        """A new DHT node (with `key`: signing with it, its peer id derived from it; `client_mode`: it
+        dials out only, as behind a home router); with `stage`, a member of it: it has a record there
+        for the whole test, as a peer serving the stage announces."""
+        if self.nodes:
+            dht = make_dht(visible_maddrs(self.nodes[0]), record_key=key or RSAPrivateKey(), client_mode=client_mode)
+        else:
+            dht = make_dht(record_key=key, client_mode=client_mode)
         self.nodes.append(dht)
         if stage is not None:
             record = PeerRecord(peer_id=dht.peer_id.to_base58(), stage=stage, address="127.0.0.1:1", state="online")
@@ -277,22 +286,63 @@ def loads_within_a_step(replica: SwarmUpdater) -> int:
     return loads
 
 
-def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_per_step(stage_one, caplog):
+@pytest.mark.parametrize("partner", [True, False], ids=["with a partner", "alone"])
+def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_per_step(stage_one, caplog, partner):
     """Two real replicas of stage 1 with equal weights; three other members of the stage (with a
     record in it, each signed by its own key) publish a majority digest that neither holds. Replica a
     believes it diverged and loads the stage's state from b, which brings nothing new; for the rest of
     the step it must not download the state again and again (the worker asks `behind` before every
-    request)."""
+    request). Alone (no other replica offers the state, as when the others are behind home routers)
+    it has nothing to load, and must not look again and again either (it did, several times a second)."""
     caplog.set_level(logging.INFO, logger="peer.averaging")
     run = stage_one.run
     a = stage_one.replica(stage_one.node(stage=1))
-    stage_one.replica(stage_one.node(stage=1))  # b joins and takes a's state
+    if partner:
+        stage_one.replica(stage_one.node(stage=1))  # b joins and takes a's state
     for liar in [stage_one.node(stage=1) for _ in range(3)]:
         lie = WeightsDigest(peer_id=liar.peer_id.to_base58(), stage=1, step=0, digest="f" * 32)
         assert publish_digest(liar, run.run_id, lie, timeout=30)
     loads = loads_within_a_step(a)
     assert any("differ from the other replicas" in n for n in caplog.messages), caplog.messages
     assert loads == 1, f"{loads} loads of the stage's state within one step"
+
+
+def peer_id_of(key: RSAPrivateKey) -> str:
+    """The DHT peer id of a node that signs with `key` (libp2p derives it from the identity)."""
+    identity = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes()).SerializeToString()
+    return PeerID.from_identity(identity).to_base58()
+
+
+def test_replicas_tied_on_their_weights_take_those_of_the_one_that_offers_them_not_of_one_behind_a_router(stage_one):
+    """Two real replicas of stage 1 whose weights differ: a public one, which offers the stage's state,
+    and one behind a home router (client mode: it offers none) with the smaller peer id, the one a tie
+    between single holders went to. The public replica was then told its weights differ, had nobody to
+    load the others' from, and looked again several times a second for the whole step (in a swarm it
+    then missed its step's round, and the two replicas averaged alone). The tie now goes to the
+    weights a replica offers: the home replica loads them, once, and the public one keeps its own."""
+    public_node = stage_one.node(stage=1)
+    key = RSAPrivateKey()
+    while peer_id_of(key) >= public_node.peer_id.to_base58():
+        key = RSAPrivateKey()
+    # Both start from the seeded init: the home replica first, alone, then the public one, which finds no
+    # state to take (the home replica offers none); neither has loaded the stage's state in this step.
+    home = stage_one.replica(stage_one.node(stage=1, key=key, client_mode=True))
+    public = stage_one.replica(public_node)
+    assert home.opt.dht.peer_id.to_base58() < public_node.peer_id.to_base58()
+    deadline = time.monotonic() + 30
+    while public_node.peer_id.to_bytes() not in home._state_holders():
+        assert time.monotonic() < deadline, "the public replica never offered the stage's state"
+        time.sleep(0.1)
+    assert home._state_holders() == {public_node.peer_id.to_bytes()}  # the home replica offers none
+    with torch.no_grad():
+        next(iter(home.held.parameters())).add_(1e-3)  # as a round that left a part out leaves it
+    for replica in (public, home):
+        replica.check.publish(replica.epoch, weights_digest(replica.held))
+    with ThreadPoolExecutor(2) as pool:
+        loads = list(pool.map(loads_within_a_step, [public, home]))
+    assert loads == [0, 1], f"loads of the stage's state within one step: public {loads[0]}, home {loads[1]}"
+    for x, y in zip(public.held.parameters(), home.held.parameters(), strict=True):
+        assert torch.equal(x, y)
 
 
 def test_while_a_step_waits_for_the_norms_one_global_batch_of_training_work_is_served(stage_one, tmp_path):
