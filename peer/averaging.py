@@ -496,14 +496,8 @@ class ReplicaCheck:
         holders = collections.Counter(digests.values())
         most = max(holders.values())
         tied = [d for d in holders if holders[d] == most]
-        offered = self.sources() if len(tied) > 1 else set()
-        winner = min(
-            tied,
-            key=lambda d: (
-                not any(digests[p] == d for p in offered if p in digests),
-                min(p for p, v in digests.items() if v == d),
-            ),
-        )
+        offered = {digests[p] for p in self.sources() if p in digests} if len(tied) > 1 else set()
+        winner = min(tied, key=lambda d: (d not in offered, min(p for p, v in digests.items() if v == d)))
         return winner != self.mine[1]
 
 

@@ -20,8 +20,6 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
-from hivemind.p2p import PeerID
-from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
@@ -61,6 +59,7 @@ from swarm.records import (
     publish_digest,
     publish_norm_share,
     shutdown_dht,
+    signer_peer_id,
     stage_norms,
     state_holders_key,
     visible_maddrs,
@@ -307,12 +306,6 @@ def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_p
     assert loads == 1, f"{loads} loads of the stage's state within one step"
 
 
-def peer_id_of(key: RSAPrivateKey) -> str:
-    """The DHT peer id of a node that signs with `key` (libp2p derives it from the identity)."""
-    identity = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes()).SerializeToString()
-    return PeerID.from_identity(identity).to_base58()
-
-
 def test_replicas_tied_on_their_weights_take_those_of_the_one_that_offers_them_not_of_one_behind_a_router(stage_one):
     """Two real replicas of stage 1 whose weights differ: a public one, which offers the stage's state,
     and one behind a home router (client mode: it offers none) with the smaller peer id, the one a tie
@@ -322,7 +315,7 @@ def test_replicas_tied_on_their_weights_take_those_of_the_one_that_offers_them_n
     weights a replica offers: the home replica loads them, once, and the public one keeps its own."""
     public_node = stage_one.node(stage=1)
     key = RSAPrivateKey()
-    while peer_id_of(key) >= public_node.peer_id.to_base58():
+    while signer_peer_id(key.get_public_key().to_bytes().decode()) >= public_node.peer_id.to_base58():
         key = RSAPrivateKey()
     # Both start from the seeded init: the home replica first, alone, then the public one, which finds no
     # state to take (the home replica offers none); neither has loaded the stage's state in this step.
