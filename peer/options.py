@@ -1,4 +1,4 @@
-"""A peer's options, built once from the command line (swarm/cli.py) and passed down as they are.
+"""A peer's options, built once from the command line (peer/cli.py) and passed down as they are.
 
 `Faults` holds what only tests set: a peer that stands in for a slower device, one that lies about
 its outputs or its step, one that logs the microbatches each optimizer step applied, one that keeps moving

@@ -1,4 +1,4 @@
-"""How `swarm train` trains, built once from the command line (swarm/cli.py) and passed down as it is."""
+"""How `swarm train` trains, built once from the command line (swarm/trainer/cli.py) and passed down as it is."""
 
 from __future__ import annotations
 
