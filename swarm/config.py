@@ -215,12 +215,12 @@ class AveragingConfig(_Strict):
         "then average the replicas' pseudo-gradients and take an outer Nesterov step",
     )
     # H = 5: within 2% of the reference's held-out loss on tiny.toml and small.toml, where H = 10 was
-    # 5% above it; with int4 it averages the bytes of int8 at H = 10 (README, DiLoCo paragraph).
+    # 5% above it; with int4 it averages the bytes of int8 at H = 10 (docs/performance.md, Averaging).
     inner_steps: int = Field(
         5, ge=1, le=100_000, description="diloco: local steps between two averagings (H): H-fold fewer bytes averaged"
     )
     # At H = 10 the outer step that trained best was the plain average of the replicas' weights
-    # (outer_lr 1, no momentum): see the README's DiLoCo paragraph and benchmarks/results.md.
+    # (outer_lr 1, no momentum): see docs/performance.md (Averaging) and benchmarks/results.md.
     outer_lr: float = Field(1.0, gt=0, le=10, description="diloco: the outer step's learning rate")
     outer_momentum: float = Field(
         0.0,
@@ -384,7 +384,7 @@ def dump_config(run: RunConfig) -> str:
 
 
 def config_reference() -> str:
-    """Every option of a run config as Markdown tables, one per section (the README's reference)."""
+    """Every option of a run config as Markdown tables, one per section (the reference in docs/configuration.md)."""
     out = []
     for section, field in RunConfig.model_fields.items():
         model = field.annotation
