@@ -20,7 +20,7 @@ from swarm.rpc import pb
 from swarm.wire import FLOAT_DTYPES, WireError, all_finite, check, decode
 
 if TYPE_CHECKING:
-    from peer.worker import WeightsAt
+    from peer.graphs import WeightsAt
 
 MAX_ID_LENGTH = 128
 
@@ -167,7 +167,7 @@ class CachedForward:
 
     inputs: torch.Tensor
     output: torch.Tensor
-    version: int  # the worker's weights version when it was recorded (StageWorker.weights_version)
+    version: int  # the worker's weights version when it was recorded (RecordedGraphs.version)
     weights: WeightsAt | None = None  # the weights the graph saw: a delayed forward's outlive a step
     delayed: bool = False  # the forward's caller trains with delayed updates (ForwardRequest.delayed)
 

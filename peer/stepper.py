@@ -57,6 +57,7 @@ import torch
 
 from peer.averaging import LocalUpdater, SwarmUpdater
 from peer.checkpoint import Checkpoint, CheckpointWriter, Snapshot
+from peer.pending import Aside, Pending
 from peer.requests import RequestError
 from swarm.config import RunConfig
 
@@ -146,63 +147,43 @@ def make_updater(
     return SwarmUpdater(run, stage, module, dht, idle=idle, declared=declared)
 
 
-class StagedGrads:
-    """Sets a module's accumulated gradients aside, so that the next backward fills fresh buffers;
-    then `commit` adds those to the ones set aside, or `drop` forgets them. Either way each `.grad`
-    is afterwards the tensor it was before (hivemind's averager reads them in place)."""
+class StepRecords:
+    """What each step leaves behind: a line in the step log (`step_log`, a test's: the microbatches it
+    applied) and, when one is due, a checkpoint (`checkpoints`, which saves the stage's state every so
+    many steps)."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.kept = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
+    def __init__(
+        self,
+        stage_index: int,
+        module: torch.nn.Module,
+        updater: Updater,
+        step_log: Path | None = None,
+        checkpoints: CheckpointWriter | None = None,
+    ):
+        self.stage_index, self.module, self.updater = stage_index, module, updater
+        self.step_log, self.checkpoints = step_log, checkpoints
 
-    def commit(self) -> None:
-        with torch.no_grad():
-            for p, kept in zip(self.params, self.kept, strict=True):
-                if kept is None:
-                    continue  # the fresh buffer (or none) stays
-                if p.grad is not None:
-                    kept.add_(p.grad)
-                p.grad = kept
+    def took(self, step: int, microbatch_ids: list[str]) -> None:
+        """The stage took global step `step` (the count of steps its weights include), applying these
+        microbatches. On the compute thread, under the lock that guards the weights."""
+        if self.step_log:
+            entry = {"stage": self.stage_index, "step": step, "microbatches": microbatch_ids}
+            # The bytes of the stage's all-reduce this replica reduced for the others (averaging on).
+            entry["reduced_bytes"] = getattr(self.updater, "last_step", {}).get("reduced_bytes", 0)
+            with open(self.step_log, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        if self.checkpoints is not None and not self.updater.missed and self.updater.agreed_step == step:
+            # A replica that missed the stage's all-reduce holds a state that is not the step's;
+            # within a DiLoCo phase the weights are this replica's own (it is written at the
+            # first outer step from the interval on: `CheckpointWriter.offer`).
+            self.checkpoints.offer(
+                step, lambda: Snapshot.take(self.module, self.updater.optimizer, step, self.updater.outer_optimizer)
+            )
 
-    def drop(self) -> None:
-        for p, kept in zip(self.params, self.kept, strict=True):
-            p.grad = kept
-
-    def set_aside(self, aside: Aside) -> None:
-        """Add the fresh gradients to `aside` (not to the ones set aside here), and put those back."""
-        with torch.no_grad():
-            for p in self.params:
-                if p.grad is not None:
-                    aside.add(p, p.grad)
-        self.drop()
-
-
-class Aside:
-    """The gradients of work served while the stage's step waits (`Stepper.stepping`): they belong to
-    the step after it, so they stay out of the buffers the step reads, until it is taken."""
-
-    def __init__(self, step: int):
-        self.step = step  # the global step being taken: the weights are still those before it
-        self.grads: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self.samples = 0
-        self.ids: list[str] = []
-
-    def add(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        if p in self.grads:
-            self.grads[p].add_(grad)
-        else:
-            self.grads[p] = grad.detach().clone()
-
-    def restore(self) -> None:
-        """Into the parameters' gradients (which the step left zeroed, or set to None)."""
-        with torch.no_grad():
-            for p, grad in self.grads.items():
-                if p.grad is None:
-                    p.grad = grad
-                else:
-                    p.grad.add_(grad)
+    def close(self) -> None:
+        """Finish the checkpoint being written."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
 
 
 class Stepper:
@@ -229,21 +210,30 @@ class Stepper:
         step naming the microbatches it applied; `checkpoints` saves the stage's state every so many steps."""
         self.run, self.stage_index, self.module, self.updater = run, stage_index, module, updater
         self.lock, self.stopped, self.invalidate, self.before_step = lock, stopped, invalidate, before_step
-        self.step_log, self.checkpoints = step_log, checkpoints
-        self.pending_ids: list[str] = []  # microbatches accumulated since the last step
-        self.samples_served = 0  # samples whose gradients were accumulated
-        self.samples_pending = 0  # ... since the last optimizer step
+        self.records = StepRecords(stage_index, module, updater, step_log, checkpoints)
+        self.pending = Pending(run.training.global_batch, updater.served)
         self.waited_s = 0.0  # time the compute thread spent in catch_up waiting for a step
-        self.served_at = 0.0  # when gradient work was last served (time.monotonic)
         self._next_resync = 0.0
         self._resynced_at: int | None = None  # this replica's step when a request last had it resync
         # The step the swarm's other machines announce (swarm/steps.py `others_step`), kept current by
         # the peer's daemon (it lags by a refresh or two); None: no swarm (a stage served by hand).
         self.swarm_step: int | None = None
         self.skipped_steps: list[range] = []  # global steps whose gradients never reached this stage (catch_up)
-        # While a step runs (it may wait for the other stages' gradient norms), the compute thread
-        # serves the work that does not need it; that work's gradients go here (worker.py: _serve_aside).
-        self.stepping: Aside | None = None
+
+    @property
+    def pending_ids(self) -> list[str]:
+        """Microbatches accumulated since the last step."""
+        return self.pending.ids
+
+    @property
+    def samples_served(self) -> int:
+        """Samples whose gradients were accumulated."""
+        return self.pending.served
+
+    @property
+    def stepping(self) -> Aside | None:
+        """While a step runs: the work served meanwhile (`Pending.aside`)."""
+        return self.pending.aside
 
     @property
     def optimizer_steps(self) -> int:
@@ -257,34 +247,19 @@ class Stepper:
         aside = self.stepping
         if aside is not None:  # the step being taken counts, and the next once the work set aside fills it
             return aside.step + int(aside.samples >= self.run.training.global_batch)
-        return self.optimizer_steps + int(self.updater.ready(self.samples_pending))
+        return self.optimizer_steps + int(self.updater.ready(self.pending.samples))
 
     def room(self) -> int:
-        """Samples the next batch of gradient work may hold without crossing the global batch; 0 once
-        the batch is full (gradient work then waits for the step, or, while a step waits, for the
-        step after it: were one stage's step to hold more than the global batch, the stages' steps
-        would no longer hold the same samples, and their gradient norms would wait on each other)."""
-        held = self.stepping.samples if self.stepping is not None else self.samples_pending
-        return max(0, self.run.training.global_batch - held)
+        """Samples the next batch of gradient work may hold (`Pending.room`)."""
+        return self.pending.room()
 
     def served(self, microbatch_ids: list[str], samples: int) -> None:
         """These microbatches' gradients were accumulated (set aside, while a step runs). Under the lock."""
-        self.samples_served += samples
-        self.served_at = time.monotonic()
-        if self.stepping is not None:
-            self.stepping.samples += samples
-            self.stepping.ids.extend(microbatch_ids)
-            return
-        self.samples_pending += samples
-        self.pending_ids.extend(microbatch_ids)
-        self.updater.served(self.samples_pending)
+        self.pending.add(microbatch_ids, samples)
 
     def unserve(self, microbatch_id: str, samples: int) -> None:
-        """This pending microbatch's gradient was taken back (worker.py `retract`). Under the lock."""
-        self.pending_ids.remove(microbatch_id)
-        self.samples_served -= samples
-        self.samples_pending -= samples
-        self.updater.served(self.samples_pending)
+        """This pending microbatch's gradient was taken back (peer/accumulator.py `retract`). Under the lock."""
+        self.pending.remove(microbatch_id, samples)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> str:
         """Take the stage's weights, optimizer state and step from `checkpoint`; returns the source."""
@@ -304,7 +279,7 @@ class Stepper:
         from, before the records show its stage's step; it retries on another peer."""
         own, known = self.optimizer_steps, self.swarm_step
         ahead = step > own + 1 and self._resynced_at != own
-        if ahead and (known is None or known > own or self.updater.behind(self.samples_pending)):
+        if ahead and (known is None or known > own or self.updater.behind(self.pending.samples)):
             self._resynced_at = own
             self.resync()
         return step if known is None else max(self.optimizer_steps, known) + 1
@@ -347,13 +322,13 @@ class Stepper:
             if self._orphaned():  # (before `behind`: nobody is left to load the state from)
                 with self.lock:
                     self._step(force=True)
-            elif self.updater.behind(self.samples_pending):
+            elif self.updater.behind(self.pending.samples):
                 self.resync()
-            elif self.updater.ready(self.samples_pending):
+            elif self.updater.ready(self.pending.samples):
                 with self.lock:
                     self._step()
             elif time.monotonic() > deadline:
-                if self.updater.started(self.samples_pending):
+                if self.updater.started(self.pending.samples):
                     with self.lock:
                         self._step(force=True)
                 if self.optimizer_steps < step:
@@ -368,7 +343,7 @@ class Stepper:
         say they are not. Served at once, the work would be computed on weights no other replica holds,
         and the spot checks that compare the replicas' answers would outvote this honest one."""
         while self.updater.settling() and not self.stopped():
-            if self.updater.behind(self.samples_pending):
+            if self.updater.behind(self.pending.samples):
                 self.resync()
             time.sleep(0.05)
 
@@ -377,11 +352,11 @@ class Stepper:
         if self._orphaned():  # (before `behind`: nobody is left to load the state from)
             with self.lock:
                 self._step(force=True)
-        elif self.updater.behind(self.samples_pending):
+        elif self.updater.behind(self.pending.samples):
             if time.monotonic() >= self._next_resync:
                 self._next_resync = time.monotonic() + 2
                 self.resync()
-        elif self.updater.ready(self.samples_pending):
+        elif self.updater.ready(self.pending.samples):
             with self.lock:
                 self._step()
 
@@ -389,12 +364,12 @@ class Stepper:
         """The updater says the rest of the step's samples (all of them, when this replica holds none)
         died with other replicas, and no gradient work came for ORPHAN_QUIET_S (a trainer retrying a
         dead replica's call sends it here meanwhile)."""
-        quiet = time.monotonic() - self.served_at > ORPHAN_QUIET_S
-        if not (quiet and self.updater.orphaned(self.samples_pending)):
+        quiet = time.monotonic() - self.pending.served_at > ORPHAN_QUIET_S
+        if not (quiet and self.updater.orphaned(self.pending.samples)):
             return False
         log.info(
             f"stage {self.stage_index} step {self.optimizer_steps}: the rest of its batch died with the replicas "
-            f"that served it; stepping with {self.samples_pending} samples"
+            f"that served it; stepping with {self.pending.samples} samples"
         )
         return True
 
@@ -404,14 +379,14 @@ class Stepper:
         with self.lock:
             before = self.optimizer_steps
             params = [p for p in self.module.parameters() if p.grad is not None]
-            kept = [p.grad.clone() for p in params] if self.samples_pending else []
+            kept = [p.grad.clone() for p in params] if self.pending.samples else []
             source = self.updater.load_state()
             self.invalidate()  # the weights were replaced in place: recorded graphs no longer match them
             if kept and self.optimizer_steps == before:
                 with torch.no_grad():
                     for p, g in zip(params, kept, strict=True):
                         p.grad.copy_(g)  # hivemind zeroed the buffers when it loaded the state
-                self.updater.served(self.samples_pending)
+                self.updater.served(self.pending.samples)
             else:
                 self._drop_pending()
         log.info(f"stage {self.stage_index}: caught up to step {self.optimizer_steps} from {source}")
@@ -419,8 +394,7 @@ class Stepper:
     def close(self) -> None:
         """Leave the stage's averaging and finish the checkpoint being written."""
         self.updater.close()
-        if self.checkpoints is not None:
-            self.checkpoints.close()
+        self.records.close()
 
     def _skip_to(self, step: int, why: str) -> None:
         """Take the stage's step count to `step` without applying anything: the gradients of the
@@ -438,9 +412,9 @@ class Stepper:
 
     def _drop_pending(self) -> None:
         """Forget the gradients accumulated since the last step (their step is gone). Under the lock."""
-        if self.samples_pending:
-            log.info(f"stage {self.stage_index}: dropped {self.samples_pending} samples' gradients")
-        self.samples_pending, self.pending_ids = 0, []
+        if self.pending.samples:
+            log.info(f"stage {self.stage_index}: dropped {self.pending.samples} samples' gradients")
+        self.pending.drop()
         self.module.zero_grad(set_to_none=False)
 
     def _step(self, force: bool = False) -> None:
@@ -448,39 +422,13 @@ class Stepper:
         waits runs on the step's behalf, under the same hold: `stepping`)."""
         before = self.optimizer_steps
         self.before_step()
-        self.stepping = aside = Aside(before + 1)
+        aside = self.pending.set_aside(before + 1)
         try:
-            used = self.updater.step(self.samples_pending, force=force)
+            used = self.updater.step(self.pending.samples, force=force)
             if self.optimizer_steps == before:
                 return
             self.invalidate()  # graphs recorded before the step no longer match the weights
-            self.samples_pending -= used
-            if self.step_log:
-                entry = {"stage": self.stage_index, "step": self.optimizer_steps, "microbatches": self.pending_ids}
-                # The bytes of the stage's all-reduce this replica reduced for the others (averaging on).
-                entry["reduced_bytes"] = getattr(self.updater, "last_step", {}).get("reduced_bytes", 0)
-                with open(self.step_log, "a") as f:
-                    f.write(json.dumps(entry) + "\n")
-            self.pending_ids = []
-            if (
-                self.checkpoints is not None
-                and not self.updater.missed
-                and self.updater.agreed_step == self.optimizer_steps
-            ):
-                # A replica that missed the stage's all-reduce holds a state that is not the step's;
-                # within a DiLoCo phase the weights are this replica's own (it is written at the
-                # first outer step from the interval on: `CheckpointWriter.offer`).
-                self.checkpoints.offer(
-                    self.optimizer_steps,
-                    lambda: Snapshot.take(
-                        self.module, self.updater.optimizer, self.optimizer_steps, self.updater.outer_optimizer
-                    ),
-                )
+            self.records.took(self.optimizer_steps, self.pending_ids)
+            self.pending.stepped(used)
         finally:
-            # What was served while the step ran counts toward the next one.
-            self.stepping = None
-            aside.restore()
-            if aside.samples:
-                self.samples_pending += aside.samples
-                self.pending_ids.extend(aside.ids)
-                self.updater.served(self.samples_pending)
+            self.pending.restore(aside)  # what was served while the step ran counts toward the next one

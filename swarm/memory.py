@@ -2,7 +2,7 @@
 
 A stage worker holds, on its device: the stage's float32 weights (autocast keeps master weights in
 float32), two float32 gradient buffers (the accumulated gradient and the fresh buffers a batch fills
-before it is committed: peer/stepper.py `StagedGrads`), AdamW's two float32 states, and the
+before it is committed: peer/pending.py `StagedGrads`), AdamW's two float32 states, and the
 activations its in-flight microbatches keep for their backward. The activations are counted tensor
 by tensor from what this model's blocks save for backward (swarm/model.py), in the autocast dtype
 where autocast applies (CUDA with a 16-bit `model.dtype`), else float32; the residual stream and
