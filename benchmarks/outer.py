@@ -4,7 +4,7 @@ A swarm run mixes what the outer update costs with timing (which replica serves 
 follows it), and one run per setting cannot show the spread between runs. Here R replicas of the
 whole model train in one process, each on its share of every global batch (microbatch i goes to
 replica i mod R, as pinned paths with R replicas per stage give), H AdamW steps apart, as
-`peer/averaging.py` steps them; then their pseudo-gradients (the outer weights minus theirs) go
+`peer/diloco.py` steps them; then their pseudo-gradients (the outer weights minus theirs) go
 through the averaging compression (peer/allreduce.py's codec, as the all-reduce sends a part and hands
 back the average), are averaged, and the outer optimizer of `swarm/optim.py` steps the outer
 weights, which every replica takes. The reference is the same loop with one replica and no outer

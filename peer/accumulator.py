@@ -18,8 +18,8 @@ from concurrent.futures import Future
 
 import grpc
 
-from peer.averaging import grads_finite
 from peer.compute import StageCompute
+from peer.contribution import grads_finite
 from peer.options import Faults
 from peer.pending import StagedGrads
 from peer.queue import Task, gave_up, resolve

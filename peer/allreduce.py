@@ -5,14 +5,14 @@ its part to the part's reducer, which averages and sends back the difference bet
 that member's part (`AllReduceRunner`, return_deltas), which the member adds to its own tensor. That
 difference is compressed like everything sent: with a lossy codec every member ends a slightly
 different average (its own part plus its own rounding), the replicas' weights part, and the weights
-digests (peer/averaging.py ReplicaCheck) make the minority reload the stage's state at every step.
+digests (peer/replica_check.py ReplicaCheck) make the minority reload the stage's state at every step.
 `ExactAllReduceRunner` has each reducer send the average itself, compressed once, and keep for its own
 part what the others decode: every member copies in the same values.
 
 `[averaging] compression`: "none" sends the float32 buffers (4 bytes a value), "fp16" 2, "int8" a
 byte a value plus a float32 scale per block of 256 (the wire codec's, swarm/wire.py), "int4" half a
 byte a value plus the same scales (for DiLoCo's pseudo-gradients; not a wire codec); "powersgd"
-sends two low-rank factors of each weight matrix in float32 (peer/averaging.py). The reducer
+sends two low-rank factors of each weight matrix in float32 (peer/hivemind_compat.py). The reducer
 adds up the decoded parts in float32 and encodes the average once: a replica's error is that of one
 encode of its part (weighted) and one of the average.
 """
@@ -71,7 +71,7 @@ COMPRESSIONS: dict[str, CompressionBase] = {
     "fp16": Float16Compression(),
     "int8": BlockCompression("BLOCKWISE_8BIT", _int8_encode, _int8_decode, 1 + 4 / INT8_BLOCK),
     "int4": BlockCompression("UNIFORM_8BIT", _int4_encode, _int4_decode, 0.5 + 4 / INT8_BLOCK),
-    # The factors P and Q of PowerSGD (peer/averaging.py CappedPowerSGDAverager), and the tensors it
+    # The factors P and Q of PowerSGD (peer/hivemind_compat.py CappedPowerSGDAverager), and the tensors it
     # leaves whole (biases, norms), go as float32: the low rank is the compression.
     "powersgd": NoCompression(),
 }

@@ -1,8 +1,8 @@
 """When a stage worker takes its optimizer steps, and what it keeps track of between them.
 
 The worker accumulates the gradients of the samples it served in the parameters' `.grad`; an
-`Updater` (peer/averaging.py) turns them into a step: alone (`LocalUpdater`, every global batch) or
-averaged with the other peers of the stage (`SwarmUpdater`). The `Stepper` decides when:
+`Updater` turns them into a step: alone (`LocalUpdater`, peer/local_updater.py, every global batch) or
+averaged with the other peers of the stage (`SwarmUpdater`, peer/averaging.py). The `Stepper` decides when:
 
 A stage steps every global batch of samples it served, from whichever trainers sent them (as
 hivemind counts a collaboration's samples). Every answer tells the trainer the stage's step
@@ -23,7 +23,7 @@ replica download the stage's state at most once per step of its own.
 
 The stages' steps line up by count: a batch of work that adds to the gradient stops at the global
 batch (`room`), so that every stage's step n holds the n-th global batch of the samples it served.
-The stages exchange gradient norms by step number (peer/averaging.py NormExchange): were stage 1's
+The stages exchange gradient norms by step number (peer/norm_exchange.py NormExchange): were stage 1's
 step n to swallow two trainers' batches at once, stage 0's step n would wait for a norm that only
 comes after work stage 0 itself has to serve. While a step waits for the other stages' norms (the
 last stage finishes its batch a whole backward pass before the first), the compute thread serves
@@ -55,8 +55,9 @@ from typing import Protocol
 import grpc
 import torch
 
-from peer.averaging import LocalUpdater, SwarmUpdater
+from peer.averaging import SwarmUpdater
 from peer.checkpoint import Checkpoint, CheckpointWriter, Snapshot
+from peer.local_updater import LocalUpdater
 from peer.pending import Aside, Pending
 from peer.requests import RequestError
 from swarm.config import RunConfig

@@ -210,7 +210,7 @@ class StageWorker:
         self._run_batch(kind, batch)
 
     def _serve_aside(self) -> None:
-        """Called by the stage's step while it waits for the other stages' gradient norms (peer/averaging.py
+        """Called by the stage's step while it waits for the other stages' gradient norms (peer/norm_exchange.py
         NormExchange; on hivemind's optimizer thread, while the compute thread holds the lock and waits
         for that step, so the batch runs without taking the lock again): serve one batch of the training
         work queued for the steps taken and the one being taken, on the weights before it, its gradients

@@ -1,6 +1,6 @@
 """Gradient-norm shares pushed straight between the stages' peers.
 
-At every global step each stage needs the other stages' squared gradient norms (peer/averaging.py
+At every global step each stage needs the other stages' squared gradient norms (peer/norm_exchange.py
 NormExchange). Through the DHT alone a share took 1 to 2 s to be stored and found on a loaded 2-core
 machine: a second or more of every step of every multi-stage swarm, on the critical path, whether or
 not the stage had replicas to average with. So a replica also pushes its share to every member of

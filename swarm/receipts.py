@@ -14,7 +14,7 @@ So:
   stage (`sample_caps`): `SLACK` times the peer's share of the stage's served samples, times the
   global batch; a peer that served nothing (a liar the trainers banned, or a newcomer the records do
   not show yet) weighs one sample. Every replica reduces its part of the all-reduce with each
-  sender's weight capped so (peer/averaging.py `CappedGradientAverager`). Only the ratio of weights
+  sender's weight capped so (peer/hivemind_compat.py `CappedGradientAverager`). Only the ratio of weights
   matters: a peer alone in its round is its own average whatever its weight.
 - **Provable lies.** No honest replica holds more than `most_declared(global_batch)` samples toward
   one step (a batch of work stops at the global batch, its first task taken whatever its size), so

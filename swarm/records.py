@@ -166,7 +166,7 @@ class NormShare(ReplicaReport):
 
 
 class WeightsDigest(ReplicaReport):
-    """A fingerprint of the replica's weights after the step (peer/averaging.py: weights_digest)."""
+    """A fingerprint of the replica's weights after the step (peer/replica_check.py: weights_digest)."""
 
     digest: str = Field(pattern=r"^[0-9a-f]{1,128}$")
 

@@ -22,7 +22,8 @@ from hivemind.compression import CompressionInfo
 from hivemind.optim.grad_averager import GradientAverager
 
 from peer.allreduce import COMPRESSIONS, INT8_BLOCK, as_received
-from peer.averaging import CappedGradientAverager, _grad_buffers
+from peer.hivemind_compat import CappedGradientAverager
+from peer.stage_optimizer import _grad_buffers
 from swarm.records import make_dht, shutdown_dht, visible_maddrs
 
 SHAPES = [(300, 70), (1000,), (7,)]  # not whole blocks of 256; a tensor smaller than a block

@@ -25,20 +25,14 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
 from benchmarks.rebalance import best_min_total, stage_totals
-from peer.averaging import (
-    NormExchange,
-    ReplicaCheck,
-    SwarmUpdater,
-    clip_contribution,
-    drop_grads,
-    grads_finite,
-    live_partners,
-    step_bits,
-    tracked_partners,
-    weights_digest,
-)
+from peer.averaging import SwarmUpdater
+from peer.contribution import clip_contribution, drop_grads, grads_finite
+from peer.hivemind_compat import step_bits, tracked_partners
+from peer.norm_exchange import NormExchange
 from peer.options import Faults
+from peer.replica_check import ReplicaCheck, weights_digest
 from peer.requests import ForwardWork
+from peer.rounds import live_partners
 from peer.stepper import Stepper
 from peer.worker import StageWorker
 from swarm import norms

@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from peer.averaging import LocalUpdater
 from peer.checkpoint import (
     META,
     WEIGHTS,
@@ -26,6 +25,7 @@ from peer.checkpoint import (
     stage_dir,
     write_checkpoint,
 )
+from peer.local_updater import LocalUpdater
 from peer.requests import ForwardWork
 from peer.worker import StageWorker
 from swarm.config import RunConfig, load_config, parse_config

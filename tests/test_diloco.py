@@ -18,8 +18,10 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from peer.averaging import SwarmUpdater, live_partners, weights_digest
+from peer.averaging import SwarmUpdater
 from peer.checkpoint import Snapshot, check_checkpoint, write_checkpoint
+from peer.replica_check import weights_digest
+from peer.rounds import live_partners
 from swarm.model import Stage
 from swarm.optim import make_optimizer, param_groups, primed
 from swarm.records import TTL_S, averaging_prefix, visible_maddrs
