@@ -4,6 +4,16 @@ from pathlib import Path
 
 import pytest
 
+# The harness's hooks and fixtures: marking the tests that start processes `swarm`, refusing a process
+# to a test of the fast tier, and ending what a module leaves running (tests/harness.py).
+from tests.harness import (  # noqa: F401
+    _nothing_left_running,
+    processes,
+    pytest_collection_modifyitems,
+    pytest_runtest_protocol,
+    pytest_xdist_auto_num_workers,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 
@@ -14,7 +24,8 @@ def tiny_config_path() -> Path:
 
 
 def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run the `swarm` command line in a fresh interpreter, as a user would."""
+    """Run the `swarm` command line in a fresh interpreter, as a user would (a test that calls it asks
+    for the `processes` fixture)."""
     return subprocess.run(
         [sys.executable, "-m", "swarm.cli", *args],
         capture_output=True,

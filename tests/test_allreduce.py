@@ -104,7 +104,7 @@ def capped(params, **kwargs):
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16", "int8", "int4"])
-def test_replicas_end_a_round_with_the_same_bits_within_one_encode_of_the_average(compression: str):
+def test_replicas_end_a_round_with_the_same_bits_within_one_encode_of_the_average(processes, compression: str):
     results, exact, moved = average_with(capped, compression, f"exact_{compression}")
     # Each value goes to its part's reducer from the 2 other members and its average comes back to
     # them: 4 x the values, at the codec's bytes a value.
@@ -129,7 +129,7 @@ def test_replicas_end_a_round_with_the_same_bits_within_one_encode_of_the_averag
         assert max((got - want).abs().max().item() for got, want in zip(results[0], exact, strict=True)) > 1e-9
 
 
-def test_hiveminds_own_round_leaves_replicas_apart_with_a_lossy_codec():
+def test_hiveminds_own_round_leaves_replicas_apart_with_a_lossy_codec(processes):
     """What ExactAllReduceRunner fixes: each member adds its own rounding of the difference."""
     stock = partial(GradientAverager)
     results, _, _ = average_with(stock, "int8", "stock_int8")
@@ -194,7 +194,7 @@ class SlowRound(CappedGradientAverager):
             raise
 
 
-def test_a_round_cancelled_while_its_all_reduce_runs_ends_without_killing_the_averagers_step():
+def test_a_round_cancelled_while_its_all_reduce_runs_ends_without_killing_the_averagers_step(processes):
     """The race PartnerWatch meets: it cancels a round just as the round's all-reduce ends. hivemind
     then sets the result of the cancelled step and its step task dies with a traceback in the peer's
     log; the replica must instead step with its own gradient and carry on, and the others of the
@@ -228,7 +228,7 @@ def test_a_round_cancelled_while_its_all_reduce_runs_ends_without_killing_the_av
         shut_down(nodes, averagers)
 
 
-def test_a_member_that_never_begins_its_part_is_left_out_at_the_start_timeout_not_the_chunk_timeout():
+def test_a_member_that_never_begins_its_part_is_left_out_at_the_start_timeout_not_the_chunk_timeout(processes):
     """A member the leader counted in the group that never began the all-reduce (its join request failed
     as the leader answered, and it went on looking for a group): here one whose all-reduce begins 12 s
     late. The others leave it out as a sender and as a reducer once `start_timeout` has passed, and end

@@ -6,15 +6,15 @@ from __future__ import annotations
 import httpx
 
 from swarm.records import read_stage, shutdown_dht
+from tests.harness import Swarm
 from tests.processes import free_port, member_dht
-from tests.test_swarm import Swarm
 
 
 def peer_record(state: dict, name: str) -> dict:
     return next(p for s in state["stages"] for p in s["peers"] if p["public_name"] == name)
 
 
-def test_coordinator_and_peer_announce_the_given_host_and_trainers_dial_it(tmp_path):
+def test_coordinator_and_peer_announce_the_given_host_and_trainers_dial_it(processes, tmp_path):
     coordinator_dht = free_port()
     listen_all = ("--host", "0.0.0.0", "--announce-host", "127.0.0.1")
     swarm = Swarm(tmp_path, coordinator_args=(*listen_all, "--dht-port", str(coordinator_dht)))

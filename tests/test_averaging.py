@@ -60,8 +60,8 @@ from swarm.records import (
 )
 from swarm.rpc import swarm_pb2 as pb
 from swarm.wire import decode, encode
+from tests.harness import TINY, Swarm, online_names, peer_record, state, swarm_fixture
 from tests.processes import ROOT, member_client, wait_for_state
-from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
 
 FAST_AVERAGING = "\n[averaging]\nmatchmaking_time_s = 0.5\nrequest_timeout_s = 0.3\n"
 RUN = load_config(TINY)
@@ -164,7 +164,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-@pytest.fixture(params=["int8", "diloco int4"])
+@swarm_fixture(params=["int8", "diloco int4"])
 def averaging_swarm(tmp_path, request):
     """A swarm whose stages average with `[averaging] compression` = the param (with "diloco": in
     DiLoCo phases of 3 steps, so that the 6 steps of the test end with an outer step). A lossy codec
@@ -259,7 +259,7 @@ class StageOne:
             shutdown_dht(dht)
 
 
-@pytest.fixture
+@swarm_fixture
 def stage_one(tmp_path):
     _, run = config_with(tmp_path, FAST_AVERAGING)
     stage = StageOne(run)
@@ -280,7 +280,9 @@ def loads_within_a_step(replica: SwarmUpdater) -> int:
 
 
 @pytest.mark.parametrize("partner", [True, False], ids=["with a partner", "alone"])
-def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_per_step(stage_one, caplog, partner):
+def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_per_step(
+    processes, stage_one, caplog, partner
+):
     """Two real replicas of stage 1 with equal weights; three other members of the stage (with a
     record in it, each signed by its own key) publish a majority digest that neither holds. Replica a
     believes it diverged and loads the stage's state from b, which brings nothing new; for the rest of
@@ -300,7 +302,9 @@ def test_a_replica_told_its_weights_differ_loads_the_stages_state_at_most_once_p
     assert loads == 1, f"{loads} loads of the stage's state within one step"
 
 
-def test_replicas_tied_on_their_weights_take_those_of_the_one_that_offers_them_not_of_one_behind_a_router(stage_one):
+def test_replicas_tied_on_their_weights_take_those_of_the_one_that_offers_them_not_of_one_behind_a_router(
+    processes, stage_one
+):
     """Two real replicas of stage 1 whose weights differ: a public one, which offers the stage's state,
     and one behind a home router (client mode: it offers none) with the smaller peer id, the one a tie
     between single holders went to. The public replica was then told its weights differ, had nobody to
@@ -332,7 +336,7 @@ def test_replicas_tied_on_their_weights_take_those_of_the_one_that_offers_them_n
         assert torch.equal(x, y)
 
 
-def test_while_a_step_waits_for_the_norms_one_global_batch_of_training_work_is_served(stage_one, tmp_path):
+def test_while_a_step_waits_for_the_norms_one_global_batch_of_training_work_is_served(processes, stage_one, tmp_path):
     """A real worker of stage 1 (of 2) averaging through the DHT serves a global batch, and its step 0
     waits for stage 0's gradient norm. Meanwhile two more global batches of training work arrive (two
     trainers' worth, one naming step 0, one step 1) and a spot check of step 1. While the step waits
@@ -395,7 +399,7 @@ def test_while_a_step_waits_for_the_norms_one_global_batch_of_training_work_is_s
         worker.close()
 
 
-def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority_digest(stage_one, caplog):
+def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority_digest(processes, stage_one, caplog):
     """Two real replicas of stage 1 with equal weights (a, b), a member of stage 0, and three DHT nodes
     that serve no stage. The three publish, signed with their own keys, a digest of step 0 that
     neither replica holds (three against two) and huge and negative norm shares for both stages, one
@@ -449,7 +453,7 @@ def test_a_dht_member_outside_the_stages_cannot_forge_a_norm_share_or_a_majority
     assert not any("no gradient norm" in n for n in caplog.messages), caplog.messages
 
 
-def test_a_norm_share_is_pushed_to_the_other_stages_members_without_the_dht(stage_one):
+def test_a_norm_share_is_pushed_to_the_other_stages_members_without_the_dht(processes, stage_one):
     """Stage 0's member publishes its share of step 3; the member of stage 1 has it pushed straight to
     its DHT process, with the sender's own peer id, and takes the global norm from it without reading
     the DHT's records at all."""
@@ -545,7 +549,7 @@ def timed_step(a: SwarmUpdater) -> float:
     return time.monotonic() - started
 
 
-def test_a_round_stalled_with_a_live_partner_is_cut_at_the_stall_bound(tmp_path, caplog):
+def test_a_round_stalled_with_a_live_partner_is_cut_at_the_stall_bound(processes, tmp_path, caplog):
     """The partner is alive but never steps, so the replica's all-reduce finds no group until
     averaging_timeout_s (120 s). After rounds of about 0.2 s, the bound is one matchmaking plus one
     chunk timeout (5.5 s): the replica steps with its own gradient well before, and says why."""
@@ -558,7 +562,7 @@ def test_a_round_stalled_with_a_live_partner_is_cut_at_the_stall_bound(tmp_path,
         assert any("ran over 5.5 s" in m for m in caplog.messages), caplog.messages
 
 
-def test_work_after_a_round_that_left_a_live_partner_out_waits_until_the_digests_settle(tmp_path):
+def test_work_after_a_round_that_left_a_live_partner_out_waits_until_the_digests_settle(processes, tmp_path):
     """The partner is live but never steps: the replica's round is cut at the stall bound and it steps
     alone, its weights now its own. Work naming the step it reached (`catch_up`, which the worker runs
     before every request) must wait until the replicas' digests of the step say whether these are the
@@ -576,7 +580,7 @@ def test_work_after_a_round_that_left_a_live_partner_out_waits_until_the_digests
         assert waited >= ReplicaCheck.WAIT_S, f"work was let through {waited:.2f} s after the lone step"
 
 
-def test_work_after_a_lone_round_goes_on_once_the_partner_it_waited_for_is_dead(tmp_path):
+def test_work_after_a_lone_round_goes_on_once_the_partner_it_waited_for_is_dead(processes, tmp_path):
     """As above, but the partner dies after the round (SIGKILL of its process group; its progress
     report stays in the DHT until it expires): no digest will come, these weights are the stage's, and
     work goes on at once instead of ReplicaCheck.WAIT_S after the step. Waiting it out stalled the
@@ -598,7 +602,7 @@ def test_work_after_a_lone_round_goes_on_once_the_partner_it_waited_for_is_dead(
         assert all(torch.equal(w, p) for w, p in zip(weights, a.module.parameters(), strict=True))
 
 
-def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_report_expires(tmp_path):
+def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_report_expires(processes, tmp_path):
     """The partner's whole process group is killed; its progress report stays in the DHT until it
     expires. The replica steps alone at once, and hivemind's tracker, fetching again and again, does not
     count the dead partner: a fetch that did used to bring it back between the replica's check and
@@ -614,7 +618,9 @@ def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_r
 
 
 @pytest.mark.parametrize("served", ["half", "none"])
-def test_a_step_whose_missing_samples_died_with_a_partner_is_taken_once_the_other_stages_are_done(tmp_path, served):
+def test_a_step_whose_missing_samples_died_with_a_partner_is_taken_once_the_other_stages_are_done(
+    processes, tmp_path, served
+):
     """A real worker of stage 1 (of 2) serves half a global batch, or none of it; its partner, which
     reported one sample (a replica killed after it answered its calls, before its report counted
     them), holds the rest. Stage 0 publishes its gradient norm of the step: its part of the step is
@@ -738,7 +744,7 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
             assert step == steps and max_difference(tensors, held["a1"][1]) <= 1e-6, name
 
 
-def test_unequal_peers_rebalance_to_within_ten_percent_of_the_best_assignment(tmp_path):
+def test_unequal_peers_rebalance_to_within_ten_percent_of_the_best_assignment(processes, tmp_path):
     period = 4.0
     path, _ = config_with(tmp_path, f"\n[rebalance]\nperiod_s = {period}\n")
     swarm = Swarm(tmp_path, path)
@@ -765,7 +771,7 @@ def test_unequal_peers_rebalance_to_within_ten_percent_of_the_best_assignment(tm
         swarm.close()
 
 
-def test_a_round_closes_once_every_live_replica_joined_not_at_the_end_of_matchmaking(tmp_path):
+def test_a_round_closes_once_every_live_replica_joined_not_at_the_end_of_matchmaking(processes, tmp_path):
     """Two real replicas of stage 1 with a matchmaking time of 10 s take a step together: the group is
     complete once both have joined, and the round ends long before the 10 s. Without a target group
     size, hivemind's leader waits out its whole matchmaking time at every step."""
@@ -787,7 +793,7 @@ def test_a_round_closes_once_every_live_replica_joined_not_at_the_end_of_matchma
         stage.close()
 
 
-def test_a_replica_still_in_the_round_of_a_step_does_not_average_with_the_others_next_step(tmp_path, caplog):
+def test_a_replica_still_in_the_round_of_a_step_does_not_average_with_the_others_next_step(processes, tmp_path, caplog):
     """Replica a is in the round of step 0 (its batch is complete; b, live, has not joined) when b moves
     past step 0 without it and takes step 1. hivemind's matchmaking knows no steps: a joined b's round
     of step 1, applying b's step-1 gradient to its step-0 weights. Now each round's group key names
@@ -830,7 +836,7 @@ def test_a_replica_still_in_the_round_of_a_step_does_not_average_with_the_others
         stage.close()
 
 
-def test_replicas_offer_their_state_for_download_and_never_their_gradients(stage_one):
+def test_replicas_offer_their_state_for_download_and_never_their_gradients(processes, stage_one):
     """After a step averaged by two real replicas, the DHT lists both as holders of the stage's state
     (a joiner loads it from them) and neither as holder of a gradient averager's state, which nobody
     loads. Offered, hivemind re-announced that offer on every tensor a round averaged: a DHT store

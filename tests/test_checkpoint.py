@@ -31,8 +31,8 @@ from peer.worker import StageWorker
 from swarm.config import RunConfig, load_config, parse_config
 from swarm.model import Stage
 from tests.conftest import CONFIGS, run_cli
+from tests.harness import ACCUMULATION, Swarm, peer_record
 from tests.test_averaging import FAST_AVERAGING, config_with, parameters
-from tests.test_swarm import ACCUMULATION, Swarm, peer_record
 
 RUN = load_config(CONFIGS / "tiny.toml")
 LAST = RUN.stages.count - 1
@@ -162,7 +162,7 @@ def test_a_truncated_or_partial_checkpoint_is_skipped_for_the_one_before(tmp_pat
     assert latest_checkpoint(tmp_path, RUN, LAST).step == 4
 
 
-def test_only_the_newest_checkpoints_are_kept_and_dead_writers_leftovers_go(tmp_path):
+def test_only_the_newest_checkpoints_are_kept_and_dead_writers_leftovers_go(processes, tmp_path):
     folder = stage_dir(tmp_path, "tiny", LAST)
     # Another model saved under the same run id, further on: not this peer's to prune.
     wider = other_config(ffn_dim=256)
@@ -241,7 +241,7 @@ def test_steps_offered_past_a_multiple_of_the_period_are_checkpointed_at_the_fir
 # -- the command line ----------------------------------------------------------------------------
 
 
-def test_an_unwritable_checkpoint_dir_or_a_zero_period_is_refused_at_start(tmp_path):
+def test_an_unwritable_checkpoint_dir_or_a_zero_period_is_refused_at_start(processes, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     # The coordinator is never asked: the folder is checked first.
@@ -266,7 +266,7 @@ def wait_for_checkpoint(root, run, stage: int, step: int, timeout: float = 30) -
         time.sleep(0.2)
 
 
-def test_a_killed_peer_restarted_resumes_from_its_checkpoint_and_training_goes_on(tmp_path):
+def test_a_killed_peer_restarted_resumes_from_its_checkpoint_and_training_goes_on(processes, tmp_path):
     path, run = config_with(tmp_path, FAST_AVERAGING)
     ckpt = tmp_path / "ckpt"
     options = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "2")
@@ -309,7 +309,7 @@ def test_a_killed_peer_restarted_resumes_from_its_checkpoint_and_training_goes_o
         swarm.close()
 
 
-def test_a_peer_takes_the_live_peers_state_when_they_are_ahead_of_its_checkpoint(tmp_path):
+def test_a_peer_takes_the_live_peers_state_when_they_are_ahead_of_its_checkpoint(processes, tmp_path):
     path, run = config_with(tmp_path, FAST_AVERAGING)
     ckpt = tmp_path / "ckpt"
     swarm = Swarm(tmp_path, path)
@@ -334,7 +334,7 @@ def test_a_peer_takes_the_live_peers_state_when_they_are_ahead_of_its_checkpoint
         swarm.close()
 
 
-def test_a_replica_behind_a_resumed_checkpoint_takes_the_state_from_the_resumed_peer(tmp_path):
+def test_a_replica_behind_a_resumed_checkpoint_takes_the_state_from_the_resumed_peer(processes, tmp_path):
     path, run = config_with(tmp_path, FAST_AVERAGING)
     ckpt = tmp_path / "ckpt"
     swarm = Swarm(tmp_path, path)

@@ -42,7 +42,7 @@ def no_swarm_environment(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_peer_joins_the_coordinator_named_in_the_environment_as_if_flagged():
+def test_peer_joins_the_coordinator_named_in_the_environment_as_if_flagged(processes):
     url = unused_url()
     with ThreadPoolExecutor(2) as pool:  # each run spends seconds importing torch and hivemind
         env_run = pool.submit(swarm, "peer", "--join-wait", "0", SWARM_COORDINATOR=url)
@@ -53,7 +53,7 @@ def test_peer_joins_the_coordinator_named_in_the_environment_as_if_flagged():
     assert f"cannot reach {url}" in from_env.stderr and "Traceback" not in from_env.stderr
 
 
-def test_an_empty_coordinator_in_the_environment_is_refused_like_the_flag():
+def test_an_empty_coordinator_in_the_environment_is_refused_like_the_flag(processes):
     from_env = swarm("peer", SWARM_COORDINATOR="")
     from_flag = swarm("peer", "--coordinator", "")
     assert from_env.returncode == from_flag.returncode == 2
@@ -61,20 +61,20 @@ def test_an_empty_coordinator_in_the_environment_is_refused_like_the_flag():
     assert "give --coordinator URL (or $SWARM_COORDINATOR)" in from_env.stderr
 
 
-def test_the_flag_wins_over_the_environment():
+def test_the_flag_wins_over_the_environment(processes):
     # An empty flag is refused at once; had the environment's URL been taken, it would be dialled.
     result = swarm("peer", "--coordinator", "", SWARM_COORDINATOR=unused_url())
     assert result.returncode == 2
     assert "give --coordinator URL" in result.stderr and "cannot reach" not in result.stderr
 
 
-def test_serving_a_stage_by_hand_ignores_the_environment():
+def test_serving_a_stage_by_hand_ignores_the_environment(processes):
     result = swarm("peer", "--config", "configs/tiny.toml", SWARM_COORDINATOR="http://127.0.0.1:1")
     assert result.returncode == 2
     assert "--config C with --stage K" in result.stderr  # not "give --coordinator or --config, not both"
 
 
-def test_train_takes_the_coordinator_from_the_environment():
+def test_train_takes_the_coordinator_from_the_environment(processes):
     url = unused_url()
     result = swarm("train", "--steps", "1", "--join-wait", "0", SWARM_COORDINATOR=url)
     assert result.returncode == 2
@@ -92,7 +92,7 @@ def test_device_and_public_name_come_from_the_environment_unless_flagged(monkeyp
     assert build_parser().parse_args(["peer"]).device is None
 
 
-def test_help_names_the_environment_variables():
+def test_help_names_the_environment_variables(processes):
     peer_help = swarm("peer", "--help").stdout
     for name in ENV_NAMES:
         assert f"${name}" in peer_help, name

@@ -34,7 +34,7 @@ def test_a_dumped_config_reads_back_equal(path):
     assert parse_config(tomllib.loads(dump_config(changed))) == changed
 
 
-def test_coordinator_stages_option_is_validated():
+def test_coordinator_stages_option_is_validated(processes):
     result = run_cli("coordinator", "--config", str(CONFIGS / "tiny.toml"), "--stages", "9")
     assert result.returncode == 2 and "stages.count: 9 stages but only 4 layers" in result.stderr
 
@@ -86,7 +86,7 @@ def test_unreadable_and_invalid_toml_are_refused(tmp_path):
         load_config(bad)
 
 
-def test_cli_prints_the_message_not_a_traceback(tmp_path):
+def test_cli_prints_the_message_not_a_traceback(processes, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text((CONFIGS / "tiny.toml").read_text().replace("n_heads = 4", "n_heads = 3"))
     result = run_cli("train", "--local", "--config", str(bad), "--steps", "1")
@@ -95,7 +95,7 @@ def test_cli_prints_the_message_not_a_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_cli_refuses_bad_arguments_clearly():
+def test_cli_refuses_bad_arguments_clearly(processes):
     result = run_cli("train", "--local", "--config", str(CONFIGS / "tiny.toml"), "--steps", "zero")
     assert result.returncode == 2 and "--steps: 'zero' is not an integer" in result.stderr
     result = run_cli("train", "--local", "--config", str(CONFIGS / "tiny.toml"), "--steps", "1", "--device", "tpu")
@@ -103,7 +103,7 @@ def test_cli_refuses_bad_arguments_clearly():
     assert "Traceback" not in result.stderr
 
 
-def test_help_lists_subcommands():
+def test_help_lists_subcommands(processes):
     result = run_cli("--help")
     assert result.returncode == 0 and "train" in result.stdout
     result = run_cli("train", "--help")

@@ -18,13 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from swarm.config import ConfigError, load_config
 from swarm.join import fetch_join, join_dht
 from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer
+from tests.harness import swarm_fixture
 from tests.processes import ROOT, group_members, member_dht, start_coordinator, wait_for_state
 
 TINY = ROOT / "configs" / "tiny.toml"
 LONG_TTL = 120.0  # records the tests must still see at the end of the module
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc, base = start_coordinator(TINY, tmp_path_factory.mktemp("coordinator") / "coordinator.log")
     yield base
@@ -38,7 +39,7 @@ def join(coordinator: str) -> dict:
     return response.json()
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def client_dht(coordinator: str, join: dict):
     dht = member_dht(coordinator)
     yield dht
@@ -140,7 +141,7 @@ def test_openapi_docs_health_and_unknown_paths(coordinator: str):
     assert httpx.get(f"{coordinator}/api/v1/nothing-here", timeout=5).status_code == 404
 
 
-def test_sigterm_stops_the_coordinator_and_all_its_children(tmp_path: Path):
+def test_sigterm_stops_the_coordinator_and_all_its_children(processes, tmp_path: Path):
     proc, base = start_coordinator(TINY, tmp_path / "coordinator.log")
     pid = proc.popen.pid
     try:

@@ -24,8 +24,8 @@ from coordinator.events import Event, diff_events
 from coordinator.history import SEEN_FORGET_S, SEEN_REFRESH_S, History, HistoryPoint, HistoryRecorder
 from swarm.records import PeerRecord, SwarmView, TrainerRecord
 from tests.conftest import CONFIGS, run_cli
+from tests.harness import Swarm, swarm_fixture
 from tests.processes import wait_for_state
-from tests.test_swarm import Swarm
 
 # -- which events a change makes (pure) -------------------------------------------------------
 
@@ -182,7 +182,7 @@ def test_peers_that_come_and_go_for_good_are_not_remembered_past_the_hour(tmp_pa
     assert "p499" in record.seen and "p0" not in history.seen_peers()
 
 
-def test_a_state_dir_that_cannot_be_created_is_refused(tmp_path: Path):
+def test_a_state_dir_that_cannot_be_created_is_refused(processes, tmp_path: Path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     result = run_cli("coordinator", "--config", str(CONFIGS / "tiny.toml"), "--state-dir", str(blocker / "state"))
@@ -194,7 +194,7 @@ def test_a_state_dir_that_cannot_be_created_is_refused(tmp_path: Path):
 # -- a real swarm ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     """A coordinator, a0 on stage 0, a1 on stage 1, and a trainer that ran 8 steps."""
     swarm = Swarm(tmp_path_factory.mktemp("swarm"))

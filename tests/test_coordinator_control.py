@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from swarm.records import read_control
+from tests.harness import TINY, Swarm, online_names, peer_record, swarm_fixture
 from tests.processes import free_port, member_dht, start_coordinator, survivors, wait_for_output, wait_for_state
-from tests.test_swarm import TINY, Swarm, online_names, peer_record
 
 TOKEN = "operator-secret"
 OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
@@ -35,7 +34,7 @@ def wait_until(ok, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def swarm(tmp_path_factory):
     """a0 on stage 0, a1 and b1 on stage 1, and a trainer of 300 steps past its third: one training
     run for the tests of the operator's control, which leave it training."""
@@ -51,7 +50,7 @@ def swarm(tmp_path_factory):
         s.close()
 
 
-def test_control_needs_the_operator_token_and_is_off_without_one(tmp_path, monkeypatch):
+def test_control_needs_the_operator_token_and_is_off_without_one(processes, tmp_path, monkeypatch):
     monkeypatch.setenv("SWARM_TOKEN", TOKEN)  # the token may come from the environment
     guarded, url = start_coordinator(TINY, tmp_path / "guarded.log")
     monkeypatch.delenv("SWARM_TOKEN")
@@ -111,7 +110,7 @@ def test_a_removed_peer_leaves_by_itself_and_training_goes_on(swarm):
     assert post(swarm.url, "/api/v1/peers/no-such-peer/remove", OPERATOR).status_code == 404
 
 
-def test_training_outlives_the_coordinator_and_a_restart_finds_the_swarm(tmp_path: Path):
+def test_training_outlives_the_coordinator_and_a_restart_finds_the_swarm(processes, tmp_path: Path):
     state_dir = tmp_path / "coordinator-state"
     dht_port = free_port()
     args = ("--state-dir", str(state_dir), "--dht-port", str(dht_port))

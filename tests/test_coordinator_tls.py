@@ -53,7 +53,7 @@ def certificate(tmp_path: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def test_a_peer_joins_a_coordinator_over_https_and_plain_http_gets_nothing(tmp_path: Path, certificate):
+def test_a_peer_joins_a_coordinator_over_https_and_plain_http_gets_nothing(processes, tmp_path: Path, certificate):
     cert, key = certificate
     trust = {"SSL_CERT_FILE": str(cert), "SWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
     coordinator = Proc(
@@ -97,7 +97,7 @@ def test_a_peer_joins_a_coordinator_over_https_and_plain_http_gets_nothing(tmp_p
                 proc.stop()
 
 
-def test_a_token_bound_for_another_machine_over_plain_http_is_warned_about(tmp_path: Path):
+def test_a_token_bound_for_another_machine_over_plain_http_is_warned_about(processes, tmp_path: Path):
     # A name under .invalid never resolves (RFC 2606): another machine, and the join fails at once.
     tried = run_cli(
         "peer", "--coordinator", "http://coordinator.invalid:8000", "--join-token", "secret", "--join-wait", "0"
@@ -144,7 +144,7 @@ def test_which_urls_carry_a_token_in_clear_off_the_machine(url: str, warned: boo
         (["--tls-cert", "nowhere.pem", "--tls-key", "key.pem"], "cannot use them"),
     ],
 )
-def test_bad_tls_files_are_refused_naming_them(tmp_path: Path, certificate, flags: list[str], named: str):
+def test_bad_tls_files_are_refused_naming_them(processes, tmp_path: Path, certificate, flags: list[str], named: str):
     paths = [str(tmp_path / f) if f.endswith(".pem") else f for f in flags]
     refused = run_cli("coordinator", "--config", str(TINY), "--state-dir", str(tmp_path / "s"), *paths, timeout=60)
     assert refused.returncode == 2 and named in refused.stderr, refused.stderr

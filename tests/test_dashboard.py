@@ -30,8 +30,8 @@ from coordinator.app import JoinInfo, create_app
 from coordinator.view import ViewHolder, empty_view
 from swarm.config import load_config
 from swarm.records import PeerRecord
+from tests.harness import TINY, Swarm, swarm_fixture
 from tests.processes import start_coordinator
-from tests.test_swarm import TINY, Swarm
 
 HTML_NAME = "<img src=x onerror=alert(1)>"
 
@@ -136,7 +136,7 @@ def box_names(snap: dict) -> set[str]:
     return {p["name"] for s in snap["stages"] for p in s["peers"]}
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def browser() -> Iterator[Browser]:
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium)")
@@ -275,7 +275,7 @@ def rate(v: float) -> str:
     return f"{round(v):,}" if v >= 100 else f"{v:.1f}"
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def crowd(tmp_path_factory) -> Iterator[tuple[str, Crowd]]:
     """A real coordinator whose DHT holds CROWD peer records over CROWD_STAGES stages, once listed."""
     with crowded_coordinator(TINY, CROWD_STAGES, CROWD, tmp_path_factory.mktemp("crowd"), 180) as (url, stored, _):

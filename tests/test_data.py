@@ -101,7 +101,7 @@ def test_a_big_text_file_is_cut_into_byte_ranges_that_share_out_its_lines(tmp_pa
     assert "".join(docs[len(expected) :]) == long_line and all(len(d) <= DOC_BYTES for d in docs)
 
 
-def test_jsonl_parquet_and_huggingface_streaming_sources(tmp_path):
+def test_jsonl_parquet_and_huggingface_streaming_sources(processes, tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     pa = pytest.importorskip("pyarrow")
     texts = numbered(50)
@@ -173,7 +173,7 @@ def test_progress_covers_only_trained_windows_and_a_read_shard_is_done(tmp_path)
     assert source.finished == [0]
 
 
-def test_validation_is_the_same_in_every_call_process_and_seed():
+def test_validation_is_the_same_in_every_call_process_and_seed(processes):
     cfg = DataConfig()
     a = TrainStream.local(cfg, 64, 0, TOK).val_batches(2, 4)
     b = TrainStream.local(cfg, 64, 9, TOK).val_batches(2, 4)
@@ -199,7 +199,7 @@ def test_the_same_files_under_another_folder_give_the_same_shards_and_validation
     assert shards(one_file) == [Shard(0, "a.txt")]
 
 
-def test_streaming_200_mb_keeps_memory_bounded(tmp_path):
+def test_streaming_200_mb_keeps_memory_bounded(processes, tmp_path):
     paragraph = (
         "a line of generated text that is about a hundred characters long, written for the test. " * 8 + "\n"
     ) * 16
@@ -211,7 +211,7 @@ def test_streaming_200_mb_keeps_memory_bounded(tmp_path):
     assert got["rss_growth_mb"] < 100, got
 
 
-def test_bad_input_is_refused_with_what_was_wrong(tmp_path):
+def test_bad_input_is_refused_with_what_was_wrong(processes, tmp_path):
     def files(**kw):
         return DataConfig(source="files", path=str(tmp_path), **kw)
 

@@ -28,6 +28,7 @@ from swarm.config import ConfigError, load_config
 from swarm.data import TrainStream, epoch_order, shards
 from swarm.trainer.leases import CoordinatorShards
 from tests.conftest import run_cli
+from tests.harness import swarm_fixture
 from tests.processes import ROOT, Proc, child, free_port, start_coordinator, wait_for_state
 
 TINY = ROOT / "configs" / "tiny.toml"
@@ -79,7 +80,7 @@ def data_state(url: str) -> dict:
     return httpx.get(f"{url}/api/v1/data", timeout=5).json()
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def guarded(tmp_path_factory) -> Iterator[str]:
     """A coordinator of 8 shard files with a join token and a short lease time to live."""
     tmp = tmp_path_factory.mktemp("leases")
@@ -135,7 +136,7 @@ def test_an_unknown_lease_id_is_not_found_with_a_message(guarded: str):
     assert missing.status_code == 404 and "no lease 'no-such-lease'" in missing.json()["detail"], missing.text
 
 
-def test_shards_go_to_one_trainer_at_a_time_and_expire_to_the_next_at_the_reported_offset(tmp_path: Path):
+def test_shards_go_to_one_trainer_at_a_time_and_expire_to_the_next_at_the_reported_offset(processes, tmp_path: Path):
     config = files_config(tmp_path, shard_files(tmp_path / "data"))
     ttl = 5.0  # long enough for the requests between two renewals on a busy machine
     proc, url = start_coordinator(config, tmp_path / "c.log", "--lease-ttl", str(ttl))  # an open run
@@ -201,7 +202,7 @@ def test_shards_go_to_one_trainer_at_a_time_and_expire_to_the_next_at_the_report
         stop_all([proc])
 
 
-def test_a_restarted_coordinator_keeps_the_epoch_and_its_leases(tmp_path: Path):
+def test_a_restarted_coordinator_keeps_the_epoch_and_its_leases(processes, tmp_path: Path):
     config = files_config(tmp_path, shard_files(tmp_path / "data"))
     args = ["--state-dir", str(tmp_path / "state"), "--dht-port", str(free_port()), "--lease-ttl", str(TTL_S)]
     proc, url = start_coordinator(config, tmp_path / "c0.log", *args)
@@ -223,7 +224,7 @@ def test_a_restarted_coordinator_keeps_the_epoch_and_its_leases(tmp_path: Path):
         stop_all(procs)
 
 
-def test_a_trainer_holding_one_shard_in_two_epochs_reports_each_on_its_own_lease(tmp_path: Path):
+def test_a_trainer_holding_one_shard_in_two_epochs_reports_each_on_its_own_lease(processes, tmp_path: Path):
     """A run of one shard: a trainer reads its last windows of epoch 0 while it reads the first of
     epoch 1, on two leases of the same shard. Its progress on one must not land on the other."""
     config = files_config(tmp_path, shard_files(tmp_path / "data", count=1))
@@ -245,7 +246,7 @@ def test_a_trainer_holding_one_shard_in_two_epochs_reports_each_on_its_own_lease
         stop_all([proc])
 
 
-def test_a_damaged_leases_file_stops_the_coordinator_with_a_clear_error(tmp_path: Path):
+def test_a_damaged_leases_file_stops_the_coordinator_with_a_clear_error(processes, tmp_path: Path):
     config = files_config(tmp_path, shard_files(tmp_path / "data"))
     state = tmp_path / "state"
     state.mkdir()
@@ -297,7 +298,7 @@ def swarm_of(tmp: Path, *coordinator_args: str, paragraphs: int = BIG) -> tuple[
     return procs, url
 
 
-def test_one_trainer_on_a_swarm_trains_the_windows_a_trainer_alone_would_in_its_order(tmp_path: Path):
+def test_one_trainer_on_a_swarm_trains_the_windows_a_trainer_alone_would_in_its_order(processes, tmp_path: Path):
     """The coordinator leases each epoch's shards in the order a trainer reading alone takes them
     (swarm.data.epoch_order, from the run's seed): one trainer on a swarm trains the very windows, in
     the very order, of `swarm train --local`, so that the two runs' losses compare step by step. Across
@@ -322,7 +323,7 @@ def test_one_trainer_on_a_swarm_trains_the_windows_a_trainer_alone_would_in_its_
         stop_all(procs)
 
 
-def test_two_trainers_on_one_run_train_disjoint_windows(tmp_path: Path):
+def test_two_trainers_on_one_run_train_disjoint_windows(processes, tmp_path: Path):
     procs, url = swarm_of(tmp_path)
     try:
         trainers = [start_trainer(url, tmp_path, name, steps=12) for name in ("a", "b")]
@@ -351,7 +352,7 @@ def test_two_trainers_on_one_run_train_disjoint_windows(tmp_path: Path):
         stop_all(procs)
 
 
-def test_a_killed_trainers_shard_goes_to_the_next_from_its_reported_offset(tmp_path: Path):
+def test_a_killed_trainers_shard_goes_to_the_next_from_its_reported_offset(processes, tmp_path: Path):
     procs, url = swarm_of(tmp_path, "--lease-ttl", "3")
     try:
         a = start_trainer(url, tmp_path, "a", steps=200)
@@ -395,7 +396,7 @@ def test_a_killed_trainers_shard_goes_to_the_next_from_its_reported_offset(tmp_p
         stop_all(procs)
 
 
-def test_a_trainer_asks_a_restarting_coordinator_for_the_shards_again(tmp_path):
+def test_a_trainer_asks_a_restarting_coordinator_for_the_shards_again(processes, tmp_path):
     """A trainer fetched the run's config, then the coordinator went down (restarting, as the chaos
     run does it): the trainer's first data request keeps asking until the coordinator is back,
     instead of giving up at once; one that stays away is an error naming the flag and the URL."""

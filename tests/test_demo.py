@@ -43,7 +43,7 @@ def children_gone(workdir: Path) -> dict[str, list[str]]:
     return {name: left for name, pid in pids.items() if (left := survivors(pid, timeout=2))}
 
 
-def test_demo_trains_exports_samples_and_stops_every_child(tmp_path: Path):
+def test_demo_trains_exports_samples_and_stops_every_child(processes, tmp_path: Path):
     port, workdir = free_port(), tmp_path / "demo"
     proc = demo(tmp_path, "--steps", "8", "--port", str(port), "--workdir", str(workdir))
     try:
@@ -72,7 +72,7 @@ def test_demo_trains_exports_samples_and_stops_every_child(tmp_path: Path):
     assert f"port {port} is free" in out
 
 
-def test_ctrl_c_stops_every_child_and_frees_the_port(tmp_path: Path):
+def test_ctrl_c_stops_every_child_and_frees_the_port(processes, tmp_path: Path):
     port, workdir = free_port(), tmp_path / "demo"
     # Started with SIGINT ignored, as a script's `swarm demo &` is: Ctrl-C (a SIGINT) must still stop it.
     args = ("--steps", "500", "--port", str(port), "--workdir", str(workdir), "--replicas", "1")
@@ -103,7 +103,7 @@ def test_ctrl_c_stops_every_child_and_frees_the_port(tmp_path: Path):
         (["--config", "no/such.toml"], "no/such.toml"),
     ],
 )
-def test_bad_options_are_refused_naming_them(tmp_path: Path, args: list[str], named: str):
+def test_bad_options_are_refused_naming_them(processes, tmp_path: Path, args: list[str], named: str):
     run = subprocess.run(
         [sys.executable, "-m", "swarm.cli", "demo", "--workdir", str(tmp_path / "w"), *args],
         capture_output=True,
@@ -114,7 +114,7 @@ def test_bad_options_are_refused_naming_them(tmp_path: Path, args: list[str], na
     assert run.returncode == 2 and named in run.stderr, run.stderr
 
 
-def test_a_busy_port_and_a_foreign_folder_are_refused_and_left_alone(tmp_path: Path):
+def test_a_busy_port_and_a_foreign_folder_are_refused_and_left_alone(processes, tmp_path: Path):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")

@@ -142,7 +142,7 @@ def two_replicas(stage: StageOne) -> tuple[SwarmUpdater, SwarmUpdater, list[torc
     return a, b, weights(a.module), gradient(run, 1), gradient(run, 2), run.training.global_batch // 2
 
 
-def test_an_outer_step_averages_the_pseudo_gradients_and_leaves_the_replicas_bitwise_equal(stage_one):
+def test_an_outer_step_averages_the_pseudo_gradients_and_leaves_the_replicas_bitwise_equal(processes, stage_one):
     run = stage_one.run
     a, b, start, ga, gb, half = two_replicas(stage_one)
     digest = weights_digest(a.held)
@@ -172,7 +172,7 @@ def test_an_outer_step_averages_the_pseudo_gradients_and_leaves_the_replicas_bit
     assert max((x - s).abs().max().item() for x, s in zip(weights(a.module), start, strict=True)) > 1e-4
 
 
-def test_a_replica_that_an_earlier_try_left_a_scheduled_round_counts_the_group_it_averaged_in(stage_one):
+def test_a_replica_that_an_earlier_try_left_a_scheduled_round_counts_the_group_it_averaged_in(processes, stage_one):
     """A try of the step that found the stage's count short leaves hivemind's round scheduled, not yet
     used, and the next try uses that round: the replica averaged in a group of 2 and says so (it
     said 1, as if it had stepped alone, and then settled digests it had no reason to doubt)."""
@@ -187,7 +187,7 @@ def test_a_replica_that_an_earlier_try_left_a_scheduled_round_counts_the_group_i
         assert torch.equal(x, y)
 
 
-def test_within_a_phase_the_stages_agreed_weights_are_the_outer_ones_of_the_last_outer_step(stage_one):
+def test_within_a_phase_the_stages_agreed_weights_are_the_outer_ones_of_the_last_outer_step(processes, stage_one):
     """What a Parameters call (and so `swarm export`) reads: every replica of the stage hands over the
     same weights at the same step mid-phase, the outer ones, not its own inner weights."""
     a, b, start, ga, gb, half = two_replicas(stage_one)
@@ -204,7 +204,7 @@ def test_within_a_phase_the_stages_agreed_weights_are_the_outer_ones_of_the_last
         assert any(not torch.equal(x, y) for x, y in zip(r.agreed_weights(), weights(r.module), strict=True))
 
 
-def test_a_checkpoint_taken_at_an_outer_step_gives_back_the_outer_momentum(stage_one, tmp_path):
+def test_a_checkpoint_taken_at_an_outer_step_gives_back_the_outer_momentum(processes, stage_one, tmp_path):
     """A resumed replica continues the outer Nesterov step where it was, not from a momentum of 0."""
     run = stage_one.run
     a, b, _, ga, gb, half = two_replicas(stage_one)
@@ -223,7 +223,7 @@ def test_a_checkpoint_taken_at_an_outer_step_gives_back_the_outer_momentum(stage
 
 
 def test_the_default_outer_step_is_the_average_of_the_inner_weights_and_joiners_and_checkpoints_take_it(
-    plain_stage, tmp_path
+    processes, plain_stage, tmp_path
 ):
     """outer_lr 1 without momentum: the outer optimizer holds no state; the outer step leaves every
     replica at the mean of their inner weights, a joiner mid-phase loads them, and a checkpoint
@@ -252,7 +252,7 @@ def test_the_default_outer_step_is_the_average_of_the_inner_weights_and_joiners_
     assert all(torch.equal(x, y) for x, y in zip(weights(a.held), outer, strict=True))
 
 
-def test_a_joiner_mid_phase_takes_the_outer_weights_and_momentum_and_ends_the_next_phase_equal(stage_one):
+def test_a_joiner_mid_phase_takes_the_outer_weights_and_momentum_and_ends_the_next_phase_equal(processes, stage_one):
     run, st = stage_one.run, stage_one
     a = st.replica(st.node(stage=1))
     b = st.replica(st.node(stage=1))
@@ -277,7 +277,7 @@ def test_a_joiner_mid_phase_takes_the_outer_weights_and_momentum_and_ends_the_ne
         assert torch.equal(x, y) and torch.equal(x, z)
 
 
-def test_a_replica_whose_partner_left_mid_phase_keeps_its_own_inner_progress(stage_one):
+def test_a_replica_whose_partner_left_mid_phase_keeps_its_own_inner_progress(processes, stage_one):
     run = stage_one.run
     a, b, start, ga, gb, half = two_replicas(stage_one)
     take_step([a, b], [ga, gb], half)
@@ -322,7 +322,7 @@ def outer_step_together(a: SwarmUpdater, b: SwarmUpdater) -> None:
         assert torch.equal(x, y), "the replicas left the outer step apart"
 
 
-def test_an_outer_step_waits_for_a_live_replica_one_step_behind(stage_one):
+def test_an_outer_step_waits_for_a_live_replica_one_step_behind(processes, stage_one):
     """A replica that served none of a step's samples lags the stage by that step until it sees the stage
     ahead (its stepper then moves it on, keeping its inner progress). An outer step taken meanwhile by
     a replica that served the whole batch must wait for it: its phase belongs in the average."""
@@ -346,7 +346,7 @@ def test_an_outer_step_waits_for_a_live_replica_one_step_behind(stage_one):
     outer_step_together(a, b)
 
 
-def test_a_dht_member_outside_the_stage_cannot_hold_up_an_outer_step_with_a_lagging_report(stage_one):
+def test_a_dht_member_outside_the_stage_cannot_hold_up_an_outer_step_with_a_lagging_report(processes, stage_one):
     """An outer step waits for a live replica of the stage that reports an earlier step of the phase.
     A DHT member that serves no stage stores such a report in the stage's progress key, signed with
     its own key as hivemind's tracker signs one, and answers every ping: the outer step does not wait
@@ -377,7 +377,9 @@ def test_a_dht_member_outside_the_stage_cannot_hold_up_an_outer_step_with_a_lagg
     outer_step_together(a, b)
 
 
-def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part_in_the_outer_step(stage_one):
+def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part_in_the_outer_step(
+    processes, stage_one
+):
     """hivemind stops reporting the progress of a peer that serves no samples; once its last report
     expired, the stage counted one peer, and the outer step averaged the replica that served alone. A
     replica that follows the stage's steps without serving holds a phase of inner steps all the same."""
@@ -439,7 +441,7 @@ time.sleep(600)
 """
 
 
-def test_a_replica_whose_partner_was_killed_mid_phase_keeps_its_own_inner_progress(stage_one, tmp_path):
+def test_a_replica_whose_partner_was_killed_mid_phase_keeps_its_own_inner_progress(processes, stage_one, tmp_path):
     """As above, but the partner is SIGKILLed with its DHT node: it leaves no word, and its records and
     progress report stay in the DHT until they expire."""
     run = stage_one.run

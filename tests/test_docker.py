@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from swarm.cli import build_parser
+from tests.harness import swarm_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -96,7 +97,7 @@ def parses(argv: list[str]) -> None:
     build_parser().parse_args(argv[1:])
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def resolved() -> dict:
     result = compose("config", "--format", "json")
     assert result.returncode == 0, result.stderr
@@ -110,7 +111,7 @@ def test_compose_file_resolves(resolved):
         assert (ROOT / service["build"]["dockerfile"]).is_file(), name
 
 
-def test_compose_refuses_a_broken_file(tmp_path):
+def test_compose_refuses_a_broken_file(processes, tmp_path):
     broken = tmp_path / "compose.yaml"
     broken.write_text(COMPOSE_FILE.read_text().replace("    ports:\n", "    portz:\n", 1))
     result = compose("config", "--quiet", file=broken)
@@ -161,12 +162,12 @@ def test_the_environment_compose_sets_is_read_by_the_cli(resolved, capsys):
         assert f"${name}" in usage, name
 
 
-def test_dockerfiles_pass_hadolint():
+def test_dockerfiles_pass_hadolint(processes):
     result = hadolint(PEER_DOCKERFILE, COORDINATOR_DOCKERFILE)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_hadolint_refuses_an_unpinned_base_image(tmp_path):
+def test_hadolint_refuses_an_unpinned_base_image(processes, tmp_path):
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python\nRUN pip install torch\n")
     result = hadolint(bad)

@@ -28,8 +28,8 @@ from swarm.config import load_config
 from swarm.rpc import method_path, pb
 from swarm.wire import encode
 from tests.conftest import CONFIGS
+from tests.harness import ACCUMULATION, TINY, Swarm, peer_record, state
 from tests.processes import start_peer
-from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record, state
 
 CONFIG = CONFIGS / "tiny.toml"
 RUN = load_config(CONFIG)
@@ -90,7 +90,7 @@ def test_a_gradient_whose_request_the_service_gave_up_on_during_its_compute_is_n
         worker.close()
 
 
-def test_calls_that_expired_or_were_cancelled_while_their_gradient_was_computed_are_not_applied(tmp_path):
+def test_calls_that_expired_or_were_cancelled_while_their_gradient_was_computed_are_not_applied(processes, tmp_path):
     """A real stage worker (the last stage of tiny.toml, by hand, stepping every global batch) that
     takes 2 s per microbatch (a test fault standing in for a slow device), and a caller that gives
     up on two calls while the worker computes them: one by its deadline (1 s), one by cancelling its
@@ -139,7 +139,7 @@ def test_calls_that_expired_or_were_cancelled_while_their_gradient_was_computed_
 # -- non-finite gradients -----------------------------------------------------------------------
 
 
-def test_a_peer_whose_gradients_come_out_non_finite_does_not_make_its_stage_step_early(tmp_path):
+def test_a_peer_whose_gradients_come_out_non_finite_does_not_make_its_stage_step_early(processes, tmp_path):
     """A swarm of tiny.toml: a0 serves stage 0; b1 and n1 serve stage 1, and every weight gradient n1
     computes comes out NaN (a test fault; its answers stay finite, so the trainer takes them). n1
     must keep none of those samples: counted, they would complete stage 1's global batch early, and
@@ -169,7 +169,7 @@ def test_a_peer_whose_gradients_come_out_non_finite_does_not_make_its_stage_step
 # -- the lost counter ---------------------------------------------------------------------------
 
 
-def test_gradients_that_die_with_a_killed_peer_are_counted_lost_and_none_before_it(tmp_path):
+def test_gradients_that_die_with_a_killed_peer_are_counted_lost_and_none_before_it(processes, tmp_path):
     """A swarm of tiny.toml with a global batch of 32 microbatches: a0 serves stage 0, b1 and v1 stage 1.
     Mid-run, while v1 holds gradients of microbatches it served toward its stage's next step, its whole
     process group gets SIGKILL. The trainer had their answers and does not send them again, so their

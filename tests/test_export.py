@@ -26,9 +26,9 @@ from swarm.model import Stage
 from swarm.tokenizer import EOS, ByteTokenizer, train_tokenizer
 from swarm.wire import decode, encode
 from tests.conftest import run_cli
+from tests.harness import Swarm, peer_record, swarm_fixture
 from tests.processes import free_port, start_peer, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
-from tests.test_swarm import Swarm, peer_record
 from tests.test_tokenizer import documents, tokenizer_run
 
 STEPS = 3
@@ -51,7 +51,7 @@ def train_and_export(swarm: Swarm, before_training: Callable[[], None] = lambda:
     swarm.export = run_cli("export", "--coordinator", swarm.url, "--out", str(swarm.out), timeout=120)
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def trained(tmp_path_factory):
     """A swarm of tiny.toml (the byte tokenizer) after STEPS training steps, and its export."""
     tmp = tmp_path_factory.mktemp("export")
@@ -64,7 +64,7 @@ def trained(tmp_path_factory):
         swarm.close()
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def trained_bpe(tmp_path_factory):
     """The same with a byte-level BPE of 400 tokens trained for the run. The trainer keeps its
     tokenizers in a cache of its own, so the test sees that it fetched the run's."""
@@ -224,7 +224,7 @@ def test_bad_input_is_refused_with_a_message_naming_it(trained, tmp_path):
         load_export(broken)
 
 
-def test_parameters_travel_as_raw_float32_under_a_lossy_wire_codec(tmp_path):
+def test_parameters_travel_as_raw_float32_under_a_lossy_wire_codec(processes, tmp_path):
     path, run = config_with(tmp_path, "")
     path.write_text(path.read_text().replace('codec = "none"', 'codec = "int8"'))
     run = load_config(path)

@@ -9,12 +9,12 @@ from __future__ import annotations
 from concurrent import futures
 
 import grpc
-import pytest
 
 from benchmarks.fuzz import Call, StageFuzz, examples, fuzz_run, right_answer_gap, run_stage_fuzz, write_config
 from swarm.config import load_config
 from swarm.rpc import SERVICE
 from tests.conftest import CONFIGS
+from tests.harness import swarm_fixture
 from tests.processes import start_peer
 
 RUN = fuzz_run(load_config(CONFIGS / "tiny.toml"))
@@ -22,7 +22,7 @@ LAST = RUN.stages.count - 1
 STAGES = {"first": 0, "last": LAST}
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def workers(tmp_path_factory):
     """Stage 0 and the last stage of tiny.toml (4 MB message limit), started side by side; yields
     {'first' | 'last': (proc, address)}."""

@@ -19,8 +19,8 @@ from swarm import memory
 from swarm.config import RunConfig, load_config
 from swarm.device import device_name
 from tests.conftest import ROOT
+from tests.harness import state
 from tests.test_averaging import averaging_swarm_of, train_and_assert_replicas_equal
-from tests.test_swarm import state
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device; CI has none — run on a GPU machine"

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.utils.crypto import RSAPrivateKey
@@ -24,6 +23,7 @@ from coordinator.ca import peer_id_of
 from swarm.children import stop_all
 from swarm.records import PeerRecord, announce_peer, maddr_peer_ids, read_removed
 from tests.conftest import CONFIGS, run_cli
+from tests.harness import swarm_fixture
 from tests.processes import Proc, free_port, member_dht, start_coordinator, wait_for_state
 
 TINY = CONFIGS / "tiny.toml"
@@ -82,7 +82,7 @@ def wait_removed(url: str, token: str, wanted: set[str], timeout: float = 10.0) 
         member.shutdown()
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def guarded(tmp_path_factory) -> Iterator[str]:
     """A coordinator with a shared join token and an operator token."""
     tmp = tmp_path_factory.mktemp("guarded")
@@ -187,7 +187,7 @@ def test_swarm_coordinator_invite_prints_a_token_that_lets_a_volunteer_in(guarde
     assert nobody.returncode != 0 and "(404): no peer 'QmNobody'" in nobody.stderr, nobody.stderr
 
 
-def test_revocations_reach_the_dht_refuse_certificates_and_outlive_a_restart(tmp_path: Path):
+def test_revocations_reach_the_dht_refuse_certificates_and_outlive_a_restart(processes, tmp_path: Path):
     state = tmp_path / "state"
     args = ["--invite-only", "--token", OPERATOR_TOKEN, "--state-dir", str(state), "--dht-port", str(free_port())]
     proc, url = start_coordinator(TINY, tmp_path / "c0.log", *args)
@@ -244,7 +244,7 @@ def test_revocations_reach_the_dht_refuse_certificates_and_outlive_a_restart(tmp
         stop_all(procs)
 
 
-def test_a_damaged_invites_file_stops_the_coordinator_with_a_clear_error(tmp_path: Path):
+def test_a_damaged_invites_file_stops_the_coordinator_with_a_clear_error(processes, tmp_path: Path):
     state = tmp_path / "state"
     state.mkdir()
     (state / "invites.json").write_text('{"invites": [{"name": "a/b"}]}')

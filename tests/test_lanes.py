@@ -4,7 +4,6 @@ one stage-1 replica, a different one for each, and moves a lane when its replica
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from coordinator.ca import RunCA
@@ -16,10 +15,11 @@ from swarm.trainer import Membership, SwarmCaller
 from swarm.verify import SpotChecks
 from swarm.wire import encode
 from tests.conftest import CONFIGS
+from tests.harness import swarm_fixture
 from tests.test_liveness import route
 
 
-@pytest.fixture
+@swarm_fixture
 def two_replicas(tmp_path):
     """Two real stage-1 workers and a SwarmCaller whose run pins DiLoCo's paths. Yields (caller,
     {peer id: address}, {peer id: gRPC server})."""

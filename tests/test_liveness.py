@@ -35,12 +35,12 @@ from swarm.trainer import Membership, SwarmCaller, step_hold_s
 from swarm.verify import SpotChecks
 from swarm.wire import encode
 from tests.conftest import CONFIGS
+from tests.harness import ACCUMULATION, Swarm, assert_no_gradient_applied_twice, peer_record, swarm_fixture
 from tests.processes import free_port, survivors, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
-from tests.test_swarm import ACCUMULATION, Swarm, assert_no_gradient_applied_twice, peer_record
 
 
-@pytest.fixture
+@swarm_fixture
 def nodes():
     first = make_dht()
     others = [make_dht(visible_maddrs(first), record_key=RSAPrivateKey()) for _ in range(2)]
@@ -232,7 +232,7 @@ def test_a_call_held_while_its_stage_steps_is_not_cut_off(stage1):
     assert pipe.failures == 0
 
 
-def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(tmp_path):
+def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(processes, tmp_path):
     """Averaging and rebalancing on. After b1 is killed: a1 steps alone at once (hivemind's tracker
     lists b1 until its record expires, and an all-reduce looking for it would wait averaging_timeout_s,
     set to 120 s here so that such a wait cannot pass unseen); nobody moves back and forth, at most
@@ -294,7 +294,7 @@ def test_the_trainer_closes_the_channel_of_a_peer_it_stopped_calling_and_keeps_i
 PEERS = {"a0": 0, "a1": 1}
 
 
-def test_sigterm_ends_peers_whose_dht_reads_wait_on_a_frozen_node(tmp_path):
+def test_sigterm_ends_peers_whose_dht_reads_wait_on_a_frozen_node(processes, tmp_path):
     """The coordinator's whole group frozen (SIGSTOP: its DHT node keeps its connections open and never
     answers, as a machine that hangs), every DHT read of a peer's loop waits on it. SIGTERM to a peer's
     group then ends its DHT process under a read in flight, and that read waited with no end: neither

@@ -37,7 +37,7 @@ def serve_by_hand(tmp_path: Path, *extra: str) -> str:
     return proc.output()
 
 
-def test_status_lines_are_log_lines_and_the_level_hides_them(tmp_path: Path):
+def test_status_lines_are_log_lines_and_the_level_hides_them(processes, tmp_path: Path):
     shown = serve_by_hand(tmp_path)
     text = r"stage 0/2 of run '\S+' .* serving on 127\.0\.0\.1:\d+"
     serving = log_line("INFO", r"peer\.run", text)
@@ -48,7 +48,7 @@ def test_status_lines_are_log_lines_and_the_level_hides_them(tmp_path: Path):
     assert "stopped after" in quiet  # the closing summary is output, not a log line
 
 
-def test_the_libraries_stay_at_warning_unless_debugging():
+def test_the_libraries_stay_at_warning_unless_debugging(processes):
     script = (
         "import logging, sys; from swarm.logs import setup_logging; setup_logging(sys.argv[1]); "
         "logging.getLogger('httpx').info('library info'); logging.getLogger('httpx').warning('library warning'); "
@@ -72,12 +72,12 @@ def test_the_libraries_stay_at_warning_unless_debugging():
 @pytest.mark.parametrize(
     "command", [["peer", "--config", str(TINY), "--stage", "0"], ["coordinator", "--config", str(TINY)]]
 )
-def test_an_unknown_log_level_is_refused_naming_the_flag(command: list[str]):
+def test_an_unknown_log_level_is_refused_naming_the_flag(processes, command: list[str]):
     run = run_cli(*command, "--log-level", "loud", timeout=60)
     assert run.returncode == 2 and "--log-level" in run.stderr and "loud" in run.stderr, run.stderr
 
 
-def test_a_failed_averaging_round_is_one_warning_line_and_other_errors_keep_their_traceback():
+def test_a_failed_averaging_round_is_one_warning_line_and_other_errors_keep_their_traceback(processes):
     """hivemind logs a round that found no group with logger.exception; in a swarm that is expected
     (the replica steps alone), so a volunteer's log shows one warning line, not a traceback."""
     script = (

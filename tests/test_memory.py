@@ -171,7 +171,7 @@ def swarm_peer(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
-def test_peer_dry_run_prints_every_stage_estimate_and_exits_by_whether_one_fits():
+def test_peer_dry_run_prints_every_stage_estimate_and_exits_by_whether_one_fits(processes):
     done = swarm_peer("--config", str(TINY), "--dry-run", "--device", "cpu", "--inflight", "4")
     assert done.returncode == 0, done.stderr
     for k in range(2):
@@ -182,7 +182,7 @@ def test_peer_dry_run_prints_every_stage_estimate_and_exits_by_whether_one_fits(
     assert small.returncode == 1 and small.stdout.count("does not fit: stage") == 2, small.stdout
 
 
-def test_a_peer_refuses_a_stage_that_does_not_fit_and_serves_one_that_does(tmp_path):
+def test_a_peer_refuses_a_stage_that_does_not_fit_and_serves_one_that_does(processes, tmp_path):
     done = swarm_peer("--config", str(TINY), "--stage", "1", "--device", "cpu", "--max-memory", "0.05")
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
@@ -195,7 +195,7 @@ def test_a_peer_refuses_a_stage_that_does_not_fit_and_serves_one_that_does(tmp_p
         proc.stop()
 
 
-def test_a_joining_peer_refuses_a_stage_that_does_not_fit(tmp_path):
+def test_a_joining_peer_refuses_a_stage_that_does_not_fit(processes, tmp_path):
     coordinator, url = start_coordinator(TINY, tmp_path / "coordinator.log")
     try:
         peer = child(["peer", "--coordinator", url, "--stage", "0", "--max-memory", "0.05"], tmp_path / "peer.log")

@@ -96,7 +96,7 @@ def stage_digest_in_new_process(stage: int) -> str:
     return out.stdout.strip()
 
 
-def test_independent_builds_of_a_stage_are_bitwise_identical(run):
+def test_independent_builds_of_a_stage_are_bitwise_identical(processes, run):
     a, b = stage_digest_in_new_process(1), stage_digest_in_new_process(1)
     assert a == b
     assert a != stage_digest_in_new_process(2)

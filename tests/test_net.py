@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.net import PREFIX, Internet, NetSwarm, by_name, namespaces, sh, unavailable
-from tests.test_swarm import TINY
+from tests.harness import TINY
 
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no emulated internet here: {WHY}")
@@ -47,7 +47,7 @@ def send(node, to, nbytes: int, timeout: float = 10) -> subprocess.CompletedProc
     return node.run(sys.executable, "-c", SEND, to.address, str(nbytes), str(timeout), timeout=60)
 
 
-def test_a_nodes_link_carries_what_it_was_given_each_way():
+def test_a_nodes_link_carries_what_it_was_given_each_way(processes):
     with Internet() as net:
         home = net.add("home", up_mbit=20, down_mbit=80)
         server = net.add("server")
@@ -61,7 +61,7 @@ def test_a_nodes_link_carries_what_it_was_given_each_way():
         assert 56 < mbit < 96, f"downlink {mbit} Mbit/s, shaped to 80"
 
 
-def test_a_home_node_dials_out_and_takes_no_connection_in():
+def test_a_home_node_dials_out_and_takes_no_connection_in(processes):
     with Internet() as net:
         home, server = net.add("home", home=True), net.add("server")
         received = sink(server)
@@ -73,7 +73,7 @@ def test_a_home_node_dials_out_and_takes_no_connection_in():
         waiting.kill()
 
 
-def test_everything_made_is_removed_also_on_failure_and_after_a_killed_run():
+def test_everything_made_is_removed_also_on_failure_and_after_a_killed_run(processes):
     with pytest.raises(RuntimeError), Internet() as net:
         net.add("a"), net.add("b", up_mbit=10)
         tag = net.tag
@@ -87,7 +87,7 @@ def test_everything_made_is_removed_also_on_failure_and_after_a_killed_run():
         assert orphan not in namespaces()
 
 
-def test_bad_nodes_are_refused_with_the_reason():
+def test_bad_nodes_are_refused_with_the_reason(processes):
     with Internet() as net:
         net.add("a")
         for name, options, words in [
@@ -101,7 +101,7 @@ def test_bad_nodes_are_refused_with_the_reason():
                 net.add(name, **options)
 
 
-def test_a_swarm_trains_with_every_process_on_a_node_of_its_own(tmp_path: Path):
+def test_a_swarm_trains_with_every_process_on_a_node_of_its_own(processes, tmp_path: Path):
     with Internet() as net:
         nodes = {name: {"up_mbit": 200, "down_mbit": 200} for name in ("coordinator", "p0", "p1", "trainer")}
         with NetSwarm(net, tmp_path, TINY, nodes) as swarm:

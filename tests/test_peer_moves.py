@@ -15,8 +15,8 @@ from swarm import memory
 from swarm.client import StageClient
 from swarm.config import load_config
 from swarm.ready import PeerReady, read_ready
+from tests.harness import TINY, Swarm, online_names, peer_record, state
 from tests.processes import group_members, member_client, wait_for_state
-from tests.test_swarm import TINY, Swarm, online_names, peer_record, state
 
 MOVES = 8
 CALLERS = 16  # calls at once: the stage server runs a thread for each
@@ -52,7 +52,7 @@ def call_at_once(client: StageClient, stage: int) -> int:
         return sum(pool.map(one, range(CALLERS)))
 
 
-def test_a_peer_that_keeps_moving_leaves_no_threads_or_processes_behind(tmp_path):
+def test_a_peer_that_keeps_moving_leaves_no_threads_or_processes_behind(processes, tmp_path):
     config = tmp_path / "restless.toml"
     config.write_text(TINY.read_text() + "\n[rebalance]\nperiod_s = 3.0\n")
     run = load_config(config)
@@ -81,7 +81,7 @@ def test_a_peer_that_keeps_moving_leaves_no_threads_or_processes_behind(tmp_path
         swarm.close()
 
 
-def test_a_moving_peer_serves_its_stage_until_the_next_is_loaded_unless_it_has_no_room_for_both(tmp_path):
+def test_a_moving_peer_serves_its_stage_until_the_next_is_loaded_unless_it_has_no_room_for_both(processes, tmp_path):
     """Make before break (peer/daemon.py `PeerDaemon.move`): a peer with room for two stages goes on
     serving its stage, online with `moving_to`, while it takes the next stage's state (made slow here:
     --state-delay stands in for a large stage over a home link), and answers calls for it; a peer whose

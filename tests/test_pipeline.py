@@ -70,7 +70,7 @@ def start_pipeline(path, stages, tmp_path):
     [(2, None, 64), (3, [2, 1, 1], 64), (3, [1, 2, 1], 0)],
     ids=["2 stages", "3 stages", "3 stages, backward recomputes"],
 )
-def test_pipeline_matches_the_whole_model(tmp_path, stages, layers, cache_size):
+def test_pipeline_matches_the_whole_model(processes, tmp_path, stages, layers, cache_size):
     run, path = write_config(tmp_path, "equal", stages, layers, global_batch=16, micro_batch=8)
     if cache_size == 0:
         path.write_text(path.read_text() + f"\n[serve]\ncache_size = {cache_size}\n")
@@ -118,7 +118,7 @@ def grads_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed trainer", "synchronous trainer"])
 def test_a_backward_after_the_stages_step_runs_on_the_weights_its_forward_ran_on_for_a_delayed_trainer(
-    tmp_path, delayed
+    processes, tmp_path, delayed
 ):
     """Microbatch b's forward reaches stage 0, then microbatches a and c complete the global batch and
     the stages step, and only then does b's backward come. A trainer with delayed updates gets b's
@@ -192,7 +192,7 @@ def final_loss(records: list[dict]) -> float:
     return sum(r["loss"] for r in records[-5:]) / 5
 
 
-def test_lossy_codecs_train_like_the_uncompressed_run(tmp_path):
+def test_lossy_codecs_train_like_the_uncompressed_run(processes, tmp_path):
     steps, codecs = 50, ("none", "fp16", "bf16", "int8")
     # Four independent pipelines, side by side: each spends much of its time waiting (interpreters
     # importing torch, one stage for the other), so together they take about as long as two in a row.
@@ -209,7 +209,7 @@ def test_lossy_codecs_train_like_the_uncompressed_run(tmp_path):
         assert records[-1]["wire_bytes"] < reference[-1]["wire_bytes"]
 
 
-def test_trainer_refuses_a_mismatched_pipeline(tmp_path):
+def test_trainer_refuses_a_mismatched_pipeline(processes, tmp_path):
     run, path = write_config(tmp_path, "two", 2)
     procs, addresses = start_pipeline(path, 2, tmp_path)
     try:
@@ -224,7 +224,7 @@ def test_trainer_refuses_a_mismatched_pipeline(tmp_path):
             p.stop()
 
 
-def test_worker_reports_itself(tmp_path):
+def test_worker_reports_itself(processes, tmp_path):
     run, path = write_config(tmp_path, "info", 2)
     procs, addresses = start_pipeline(path, 2, tmp_path)
     try:
@@ -284,7 +284,7 @@ class TimedCaller(StaticCaller):
         return [s for s in sorted(first) if s - 1 in last and first[s] < last[s - 1]]
 
 
-def test_delayed_updates_send_the_next_steps_microbatches_before_the_last_ones_end_and_train_alike(tmp_path):
+def test_delayed_updates_send_the_next_steps_microbatches_before_the_last_ones_end_and_train_alike(processes, tmp_path):
     """Two microbatches a step, four in flight, fresh workers for each way. Without delayed updates a
     step's microbatches go out only after the previous step's last backward; with them, at once, and
     every step still trains on its own (the stages count each step's gradients apart). Its gradients
@@ -314,7 +314,7 @@ def test_delayed_updates_send_the_next_steps_microbatches_before_the_last_ones_e
     assert delayed < 1.25 * sync, f"delayed updates: loss {delayed:.4f} vs {sync:.4f} synchronous"
 
 
-def test_delayed_updates_are_refused_where_spot_checks_would_misjudge_them_and_without_stages(tmp_path):
+def test_delayed_updates_are_refused_where_spot_checks_would_misjudge_them_and_without_stages(processes, tmp_path):
     """A replica may answer a delayed step's call before or after its own step, so two honest replicas
     could disagree: a trainer of a swarm whose run checks answers refuses --delayed-updates before it
     joins; --local has no stages to delay."""

@@ -58,7 +58,7 @@ def relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return (num / sum(float(y.pow(2).sum()) for y in b)) ** 0.5
 
 
-def test_a_low_rank_mean_comes_through_whole_in_a_fraction_of_the_bytes_and_the_replicas_agree(stage_one):
+def test_a_low_rank_mean_comes_through_whole_in_a_fraction_of_the_bytes_and_the_replicas_agree(processes, stage_one):
     run = stage_one.run
     a = stage_one.replica(stage_one.node(stage=1))
     b = stage_one.replica(stage_one.node(stage=1))
@@ -81,7 +81,7 @@ def test_a_low_rank_mean_comes_through_whole_in_a_fraction_of_the_bytes_and_the_
     assert sent < whole / 4, f"{sent:,} bytes against {whole:,} uncompressed"
 
 
-def test_what_a_round_leaves_out_comes_through_in_the_next_ones(tmp_path):
+def test_what_a_round_leaves_out_comes_through_in_the_next_ones(processes, tmp_path):
     stage_one = stage_one_with(tmp_path, rank=1)
     try:
         run = stage_one.run

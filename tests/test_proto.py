@@ -19,7 +19,7 @@ def without_json_names(fd: descriptor_pb2.FileDescriptorProto) -> descriptor_pb2
     return fd
 
 
-def test_generated_code_matches_the_proto(tmp_path):
+def test_generated_code_matches_the_proto(processes, tmp_path):
     out = tmp_path / "swarm.desc"
     subprocess.run(
         [
@@ -46,7 +46,7 @@ def test_generated_code_matches_the_proto(tmp_path):
     assert table == expected
 
 
-def test_a_changed_proto_is_detected(tmp_path):
+def test_a_changed_proto_is_detected(processes, tmp_path):
     edited = tmp_path / "swarm.proto"
     edited.write_text((ROOT / "proto" / "swarm.proto").read_text().replace("bool train = 6;", "bool training = 6;"))
     out = tmp_path / "edited.desc"

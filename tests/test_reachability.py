@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from benchmarks.net import Internet, NetSwarm, by_name, unavailable
+from tests.harness import TINY
 from tests.test_speedtest import TOKEN, coordinator  # noqa: F401 (a fixture)
-from tests.test_swarm import TINY
 
 MEMBER = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -78,7 +78,9 @@ def reported(count: int):
 
 
 @needs_net
-def test_a_peer_behind_a_home_router_serves_through_the_relay_and_averages_with_a_public_replica(tmp_path: Path):
+def test_a_peer_behind_a_home_router_serves_through_the_relay_and_averages_with_a_public_replica(
+    processes, tmp_path: Path
+):
     with Internet() as net, emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home")) as swarm:
         swarm.coordinator()
         for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
@@ -98,7 +100,9 @@ def test_a_peer_behind_a_home_router_serves_through_the_relay_and_averages_with_
 
 
 @needs_net
-def test_without_a_relay_a_peer_behind_a_home_router_is_told_what_to_forward_and_gets_no_work(tmp_path: Path):
+def test_without_a_relay_a_peer_behind_a_home_router_is_told_what_to_forward_and_gets_no_work(
+    processes, tmp_path: Path
+):
     with Internet() as net, emulated(net, tmp_path, homes={"home", "trainer"}, names=("p0", "p1", "home")) as swarm:
         swarm.coordinator("--relay-capacity", "0")
         for name, stage in (("p0", 0), ("p1", 1), ("home", 1)):
@@ -114,7 +118,9 @@ def test_without_a_relay_a_peer_behind_a_home_router_is_told_what_to_forward_and
 
 
 @needs_net
-def test_when_its_relay_dies_a_peer_behind_a_home_router_moves_to_another_and_the_run_goes_on(tmp_path: Path):
+def test_when_its_relay_dies_a_peer_behind_a_home_router_moves_to_another_and_the_run_goes_on(
+    processes, tmp_path: Path
+):
     with Internet() as net, emulated(net, tmp_path, homes={"home", "trainer"}, names=("r1", "r2", "home")) as swarm:
         swarm.coordinator("--relay-capacity", "0")  # only the peers relay
         swarm.peer("r1", 0, "--relay", "2")

@@ -29,7 +29,7 @@ def first_call_answers(address: str, stage: int, client: StageClient | None = No
     assert (info.run_id, info.stage) == (load_config(TINY).run_id, stage)
 
 
-def test_a_stage_served_by_hand_is_ready_where_it_serves(tmp_path: Path):
+def test_a_stage_served_by_hand_is_ready_where_it_serves(processes, tmp_path: Path):
     proc = child(
         ["peer", "--config", str(TINY), "--stage", "1", "--port", "0", "--threads", "1"], tmp_path / "p.log", ready=True
     )
@@ -42,7 +42,7 @@ def test_a_stage_served_by_hand_is_ready_where_it_serves(tmp_path: Path):
     assert ready.address.startswith("127.0.0.1:") and ready.peer_id is None
 
 
-def test_a_coordinator_and_a_peer_of_its_run_are_ready_where_they_serve(tmp_path: Path):
+def test_a_coordinator_and_a_peer_of_its_run_are_ready_where_they_serve(processes, tmp_path: Path):
     coordinator = child(
         ["coordinator", "--config", str(TINY), "--port", "0", "--dht-port", "0", "--state-dir", str(tmp_path / "s")],
         tmp_path / "coordinator.log",
@@ -101,7 +101,7 @@ def test_the_ready_file_is_written_whole_or_not_at_all(tmp_path: Path):
     assert [p.name for p in tmp_path.iterdir()] == ["ready.json"]  # no temporary file left behind
 
 
-def test_a_process_that_exits_before_it_is_ready_is_reported_with_its_output(tmp_path: Path):
+def test_a_process_that_exits_before_it_is_ready_is_reported_with_its_output(processes, tmp_path: Path):
     proc = child(["peer", "--config", str(TINY), "--stage", "7"], tmp_path / "p.log", ready=True)
     try:
         with pytest.raises(NotReady, match=r"exited with 2:\n(.|\n)*--stage: 7 is not a stage"):
@@ -111,7 +111,7 @@ def test_a_process_that_exits_before_it_is_ready_is_reported_with_its_output(tmp
     assert not proc.ready_file.exists()
 
 
-def test_a_ready_file_in_a_missing_folder_is_refused_naming_it(tmp_path: Path):
+def test_a_ready_file_in_a_missing_folder_is_refused_naming_it(processes, tmp_path: Path):
     missing = tmp_path / "no-such-folder" / "ready.json"
     run = run_cli("coordinator", "--config", str(TINY), "--ready-file", str(missing), timeout=60)
     assert run.returncode == 2 and f"the folder {missing.parent} does not exist" in run.stderr, run.stderr

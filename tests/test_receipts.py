@@ -89,7 +89,7 @@ def test_reports_beyond_what_any_replica_holds_are_left_out_of_the_count():
     assert credible_samples([], 3, G) == (0, [])
 
 
-def test_progress_reports_count_only_when_their_replica_signed_them():
+def test_progress_reports_count_only_when_their_replica_signed_them(processes):
     """A member cannot get an honest replica banned (or its count left out) by storing a report of 10^6
     samples in its name: a report counts only under the owner marker of the peer it names."""
     victim = make_dht()

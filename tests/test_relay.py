@@ -22,8 +22,8 @@ import pytest
 from swarm.config import load_config
 from swarm.relay import ATTACH, DECODE, ENCODE, RelayHub, RelayLink, bearer_admission, start_relay, wait_address
 from swarm.rpc import pb
+from tests.harness import TINY, Swarm
 from tests.processes import member_client
-from tests.test_swarm import TINY, Swarm
 
 
 def serve(handle) -> tuple[socket.socket, int]:
@@ -126,7 +126,7 @@ def test_an_outsider_cannot_attach_and_a_full_relay_takes_nobody_more(relay):
         server.close()
 
 
-def test_a_stage_call_through_the_coordinators_relay_is_mutual_tls_end_to_end(tmp_path: Path):
+def test_a_stage_call_through_the_coordinators_relay_is_mutual_tls_end_to_end(processes, tmp_path: Path):
     swarm = Swarm(tmp_path)
     try:
         swarm.add_peer("p", 0)

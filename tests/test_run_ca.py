@@ -82,7 +82,7 @@ def test_a_key_that_is_no_dht_identity_is_refused():
         load_public_key(b"-----BEGIN PUBLIC KEY-----\nnope\n-----END PUBLIC KEY-----\n")
 
 
-def test_a_real_coordinator_certifies_a_joiner_with_the_join_token_and_keeps_its_ca(tmp_path: Path):
+def test_a_real_coordinator_certifies_a_joiner_with_the_join_token_and_keeps_its_ca(processes, tmp_path: Path):
     config, state = CONFIGS / "tiny.toml", tmp_path / "state"
     key, peer_id = dht_identity()
     pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)

@@ -9,13 +9,13 @@ import pytest
 from coordinator.api_speedtest import MAX_BYTES
 from peer.throughput import capacity, link_speed, sample_bytes
 from swarm.config import load_config
+from tests.harness import TINY, swarm_fixture
 from tests.processes import start_coordinator
-from tests.test_swarm import TINY
 
 TOKEN = "link-test-token"
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("speedtest")
     proc, url = start_coordinator(TINY, tmp / "c.log", "--join-token", TOKEN)

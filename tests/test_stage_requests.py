@@ -23,6 +23,7 @@ from swarm.config import load_config
 from swarm.rpc import method_path, pb
 from swarm.wire import decode, encode
 from tests.conftest import CONFIGS
+from tests.harness import swarm_fixture
 from tests.processes import start_peer
 
 CONFIG = CONFIGS / "tiny.toml"
@@ -48,7 +49,7 @@ def small_limit_config(tmp: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def workers(tmp_path_factory):
     """Stage 0 and stage 1 of tiny.toml, and stage 1 of a copy with a 1 MB message limit.
 

@@ -6,152 +6,21 @@ Each test runs its own coordinator and peers of configs/tiny.toml (2 stages) and
 
 from __future__ import annotations
 
-import json
 import signal
 import time
-from pathlib import Path
 
-import pytest
-
-from swarm.children import stop_all
-from tests.processes import ROOT, Proc, child, http, start_coordinator, survivors, wait_for_output, wait_for_state
-
-TINY = ROOT / "configs" / "tiny.toml"
-ACCUMULATION = 2  # tiny.toml: global_batch 16 / micro_batch 8
+from tests.harness import ACCUMULATION, TINY, Swarm, assert_no_gradient_applied_twice, peer_record, state, swarm_fixture
+from tests.processes import survivors, wait_for_output, wait_for_state
 
 
-def own_host(n: int) -> str:
-    """The loopback address of the `n`-th peer's own machine (127.0.0.1 is the coordinator's)."""
-    return f"127.0.0.{2 + n}"
-
-
-class Swarm:
-    def __init__(self, tmp: Path, config: Path = TINY, coordinator_args: tuple[str, ...] = ()):
-        """`coordinator_args`: more options for `swarm coordinator` (they win over the defaults)."""
-        self.tmp, self.config, self.coordinator_args = tmp, config, coordinator_args
-        self.coordinator, self.url = start_coordinator(config, tmp / "coordinator.log", *coordinator_args)
-        self.peers: dict[str, Proc] = {}
-        self.trainer: Proc | None = None
-
-    def add_peer(self, name: str, stage: int | str = "auto", *extra: str, rebalance: bool = False) -> Proc:
-        """A peer; pinned to its stage unless the test is about rebalancing (moves would blur the rest).
-        Each peer listens on a loopback address of its own (127.0.0.2, .3, ...) unless `extra` names a
-        `--host`: a machine of its own, as spot checks count one vote per host."""
-        if not rebalance:
-            extra = ("--no-rebalance", *extra)
-        if "--host" not in extra:
-            extra = ("--host", own_host(len(self.peers)), *extra)
-        proc = child(
-            [
-                "peer",
-                "--coordinator",
-                self.url,
-                "--stage",
-                str(stage),
-                "--public-name",
-                name,
-                "--threads",
-                "1",
-                "--log-steps",
-                str(self.tmp / f"{name}.steps"),
-                *extra,
-            ],
-            self.tmp / f"{name}.log",
-        )
-        self.peers[name] = proc
-        return proc
-
-    def wait_online(self, names: list[str], timeout: float = 90) -> dict:
-        """The state once every peer in `names` is online; when one never is, the failure says whether
-        it is still running and ends with its log."""
-        try:
-            return wait_for_state(self.url, lambda s: set(names) <= online_names(s), timeout)
-        except AssertionError as e:
-            missing = set(names) - online_names(state(self.url))
-            logs = "".join(
-                f"\n--- {n} ({'running' if self.peers[n].alive() else f'exited {self.peers[n].popen.returncode}'}):\n"
-                f"{self.peers[n].output()[-4000:]}"
-                for n in sorted(missing)
-                if n in self.peers
-            )
-            raise AssertionError(f"{e}\nnot online: {sorted(missing)}{logs}") from None
-
-    def train(self, steps: int, inflight: int = 4, timeout: float = 20, *extra: str) -> Proc:
-        self.trainer = child(
-            [
-                "train",
-                "--coordinator",
-                self.url,
-                "--steps",
-                str(steps),
-                "--inflight",
-                str(inflight),
-                "--call-timeout",
-                str(timeout),
-                "--log-json",
-                str(self.tmp / "train.jsonl"),
-                *extra,
-            ],
-            self.tmp / "trainer.log",
-        )
-        return self.trainer
-
-    def records(self) -> list[dict]:
-        path = self.tmp / "train.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def wait_steps(self, count: int, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.records()) < count:
-            assert self.trainer.popen.poll() is None or len(self.records()) >= count, self.trainer.output()[-3000:]
-            assert time.monotonic() < deadline, f"trainer reached {len(self.records())} of {count} steps"
-            time.sleep(0.2)
-
-    def finish_training(self, timeout: float = 300) -> list[dict]:
-        assert self.trainer.popen.wait(timeout) == 0, self.trainer.output()[-3000:]
-        return self.records()
-
-    def applied(self) -> list[dict]:
-        """Every optimizer step every peer took, with the microbatches it applied."""
-        steps = []
-        for name in self.peers:
-            path = self.tmp / f"{name}.steps"
-            if path.exists():
-                steps += [dict(json.loads(line), peer=name) for line in path.read_text().splitlines()]
-        return steps
-
-    def close(self) -> None:
-        # Every group at once, SIGKILL for what outlives the timeout: stopped one by one, a stop that
-        # raised left the rest running (and eating the CPU) through the tests after.
-        stop_all([p for p in [self.trainer, *self.peers.values(), self.coordinator] if p is not None])
-
-
-def online_names(state: dict) -> set[str]:
-    return {p["public_name"] for s in state["stages"] for p in s["peers"] if p["state"] == "online"}
-
-
-def peer_record(state: dict, name: str) -> dict | None:
-    return next((p for s in state["stages"] for p in s["peers"] if p["public_name"] == name), None)
-
-
-def state(url: str) -> dict:
-    return http().get(f"{url}/api/v1/state").json()
-
-
-@pytest.fixture
+@swarm_fixture
 def swarm(tmp_path):
     s = Swarm(tmp_path)
     yield s
     s.close()
 
 
-def assert_no_gradient_applied_twice(swarm: Swarm) -> None:
-    for stage in (0, 1):
-        ids = [mb for step in swarm.applied() if step["stage"] == stage for mb in step["microbatches"]]
-        assert len(ids) == len(set(ids)), f"stage {stage}: a microbatch was applied twice"
-
-
-def test_traffic_splits_in_proportion_to_peer_speed(tmp_path):
+def test_traffic_splits_in_proportion_to_peer_speed(processes, tmp_path):
     # Eight microbatches per global batch, all in flight, so that stage 1 is kept busy: with
     # room to spare, the router rightly sends everything to the peer that finishes first.
     config = tmp_path / "busy.toml"
@@ -230,7 +99,7 @@ def test_trainer_waits_for_a_missing_stage_and_says_so(swarm):
     assert records[-1]["microbatches"] == 5 * ACCUMULATION
 
 
-def test_peers_started_on_one_stage_rebalance_two_and_two_and_then_stay(tmp_path):
+def test_peers_started_on_one_stage_rebalance_two_and_two_and_then_stay(processes, tmp_path):
     period = 4.0
     config = tmp_path / "rebalance.toml"
     config.write_text(TINY.read_text() + f"\n[rebalance]\nperiod_s = {period}\n")

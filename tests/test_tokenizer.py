@@ -130,7 +130,7 @@ def test_a_config_naming_a_missing_tokenizer_is_refused(tmp_path):
 # -- the command line ------------------------------------------------------------------------
 
 
-def test_swarm_tokenizer_train_writes_a_tokenizer_from_a_folder_of_text_files(tmp_path):
+def test_swarm_tokenizer_train_writes_a_tokenizer_from_a_folder_of_text_files(processes, tmp_path):
     corpus = tmp_path / "corpus"
     (corpus / "sub").mkdir(parents=True)
     for i, doc in enumerate(documents()[:30]):
@@ -156,7 +156,7 @@ def test_swarm_tokenizer_train_writes_a_tokenizer_from_a_folder_of_text_files(tm
         (["--out", "{tmp}"], "--out: {tmp}: a folder, not a file"),
     ],
 )
-def test_swarm_tokenizer_train_refuses_bad_arguments_naming_them(tmp_path, args, message):
+def test_swarm_tokenizer_train_refuses_bad_arguments_naming_them(processes, tmp_path, args, message):
     (tmp_path / "empty").mkdir()
     given = {"--data": str(TINY), "--vocab-size": "300", "--out": str(tmp_path / "tok.json")}
     given.update(zip(args[::2], (a.format(tmp=tmp_path) for a in args[1::2]), strict=True))
@@ -168,7 +168,7 @@ def test_swarm_tokenizer_train_refuses_bad_arguments_naming_them(tmp_path, args,
 # -- the tokenizer travels with the run ------------------------------------------------------
 
 
-def test_a_joiner_gets_the_runs_tokenizer_from_a_real_coordinator_and_caches_it(tmp_path, cache, caplog):
+def test_a_joiner_gets_the_runs_tokenizer_from_a_real_coordinator_and_caches_it(processes, tmp_path, cache, caplog):
     config, tok = tokenizer_run(tmp_path)
     coordinator, url = start_coordinator(config, tmp_path / "coordinator.log", "--join-token", "sesame")
     try:

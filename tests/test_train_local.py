@@ -6,7 +6,7 @@ import math
 from tests.conftest import CONFIGS, run_cli
 
 
-def test_local_trainer_learns_the_embedded_corpus(tmp_path):
+def test_local_trainer_learns_the_embedded_corpus(processes, tmp_path):
     log = tmp_path / "log.jsonl"
     result = run_cli(
         "train",
@@ -33,7 +33,7 @@ def test_local_trainer_learns_the_embedded_corpus(tmp_path):
     assert "loss=" in result.stderr  # the progress bar
 
 
-def test_data_option_trains_on_the_given_files(tmp_path):
+def test_data_option_trains_on_the_given_files(processes, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     # documents are paragraphs, and validation is one in twenty of them

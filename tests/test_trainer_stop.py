@@ -10,13 +10,13 @@ import time
 import pytest
 
 from swarm.children import survivors
-from tests.test_swarm import Swarm
+from tests.harness import Swarm
 
 STOP_S = 10.0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_trainer_waiting_for_a_stage_with_no_peer_stops_within_10_s(tmp_path, sig):
+def test_a_trainer_waiting_for_a_stage_with_no_peer_stops_within_10_s(processes, tmp_path, sig):
     swarm = Swarm(tmp_path)
     try:
         swarm.add_peer("p0", 0)

@@ -51,16 +51,16 @@ from swarm.records import (
 )
 from swarm.rpc import SERVICE, method_path, pb
 from swarm.wire import encode
+from tests.harness import Swarm, peer_record, swarm_fixture
 from tests.processes import child, member_dht, wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with
-from tests.test_swarm import Swarm, peer_record
 
 JOIN_TOKEN = "join-7f3a9c1e5d"
 OPERATOR_TOKEN = "operator-b42e8d06aa"
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def guarded(tmp_path_factory):
     """A run with a join token and an operator token: one peer per stage, both given the token, and
     a trainer with it that has finished STEPS steps (`trainers`: the state's trainers, read before
@@ -349,7 +349,7 @@ class ForeignSignature(RSASignatureValidator):
         return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
 
 
-def test_a_forging_node_cannot_overwrite_invent_or_impersonate_records(tmp_path):
+def test_a_forging_node_cannot_overwrite_invent_or_impersonate_records(processes, tmp_path):
     swarm = Swarm(tmp_path)
     forgers: list[hivemind.DHT] = []
     dhts: list[hivemind.DHT] = []
@@ -403,7 +403,7 @@ def test_a_forging_node_cannot_overwrite_invent_or_impersonate_records(tmp_path)
         swarm.close()
 
 
-def test_a_nodes_peer_id_derives_from_the_key_it_signs_with():
+def test_a_nodes_peer_id_derives_from_the_key_it_signs_with(processes):
     dhts = [make_dht()]
     try:
         dhts.append(make_dht(visible_maddrs(dhts[0]), client_mode=True))  # a second node of this process
@@ -429,10 +429,10 @@ def test_the_join_token_comes_from_the_environment_unless_flagged(monkeypatch):
         assert build_parser().parse_args([*command, "--join-token", "flagged"]).join_token == "flagged"
 
 
-def test_a_stage_served_by_hand_asks_for_the_token_given_to_it(tmp_path):
+def test_a_stage_served_by_hand_asks_for_the_token_given_to_it(processes, tmp_path):
     from tests.conftest import run_cli
+    from tests.harness import TINY
     from tests.processes import start_peer
-    from tests.test_swarm import TINY
 
     workers = [start_peer(TINY, k, tmp_path, "--join-token", "by-hand-secret") for k in (0, 1)]
     try:

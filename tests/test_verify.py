@@ -15,9 +15,9 @@ from swarm.routing import Router
 from swarm.verify import SpotChecks, new_key, odd_one_out, one_per_host, opaque_id, relative_error, sampled, tolerance
 from swarm.wire import decode, encode
 from tests.conftest import run_cli
+from tests.harness import ACCUMULATION, TINY, Swarm, peer_record
 from tests.processes import wait_for_state
 from tests.test_coordinator_api import peer, view
-from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
 
 # With a check on half the calls and 3 peers on the stage: a generous bound, a few checks in practice.
 MAX_MICROBATCHES_TO_BAN = 20
@@ -203,12 +203,12 @@ def test_a_spot_check_ban_is_an_event_naming_the_peer_and_its_stage():
 # -- a real swarm ------------------------------------------------------------------------------
 
 
-def test_the_verify_fraction_option_is_a_fraction():
+def test_the_verify_fraction_option_is_a_fraction(processes):
     result = run_cli("train", "--coordinator", "http://127.0.0.1:9", "--verify-fraction", "1.5")
     assert result.returncode == 2 and "between 0 and 1" in result.stderr
 
 
-def test_a_peer_corrupting_its_outputs_is_banned_and_gets_no_more_traffic(tmp_path):
+def test_a_peer_corrupting_its_outputs_is_banned_and_gets_no_more_traffic(processes, tmp_path):
     config = tmp_path / "verify.toml"
     config.write_text(TINY.read_text() + "\n[verify]\nfraction = 0.5\n")
     swarm = Swarm(tmp_path, config)
