@@ -7,12 +7,9 @@ weights, optimizer state and step from live peers of that stage through hivemind
 the seeded init: the record's `weights_from` says which), start the stage worker, announce
 `online` and keep refreshing the record.
 
-Checkpoints (peer/checkpoint.py): with a checkpoint folder, the worker saves its stage's state every
-`checkpoint_every` steps in the background. When the peer starts serving a stage (on joining, and
-after a move), its newest intact checkpoint of that stage is loaded instead of the live peers'
-state when its step is above what most online peers of the stage announce, or when there is no
-online peer; also when loading from the live peers brings an older state than the checkpoint (the
-records were of peers that died since). Otherwise the live peers' state wins, as without one.
+When the peer starts serving a stage (on joining, and after a move), its newest checkpoint of that
+stage is loaded instead of the live peers' state when it is newer (peer/resume.py). When the
+coordinator cannot dial the peer back, it serves through a relay (peer/reach.py).
 
 Leave (SIGTERM / SIGINT, or the operator removed this peer through the coordinator): announce
 `leaving`, let in-flight requests finish while new ones are refused, stop the DHT node and its
@@ -28,9 +25,7 @@ import gc
 import logging
 import os
 import random
-import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -42,17 +37,17 @@ import httpx
 import torch
 from hivemind.utils import get_dht_time
 
-from peer.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, writable_dir
+from peer.checkpoint import writable_dir
 from peer.options import PeerOptions
+from peer.reach import PeerReach, behind_nat
+from peer.resume import StageLoader
 from peer.service import start_server
 from peer.throughput import cached_throughput, capacity, link_speed, sample_bytes
-from peer.worker import StageWorker
 from swarm import memory
 from swarm.config import ConfigError, RunConfig
 from swarm.device import resolve_device
 from swarm.identity import Member
-from swarm.join import dial_back, join_dht
-from swarm.net import announce_address
+from swarm.join import join_dht
 from swarm.placement import pick_stage
 from swarm.ready import PeerReady, write_ready
 from swarm.rebalance import expected_move_s, peer_steadiness, should_move, stage_totals
@@ -63,13 +58,11 @@ from swarm.records import (
     announce_peer,
     maddr_peer_ids,
     read_removed,
-    read_stage,
     read_swarm,
     shutdown_dht,
     visible_maddrs,
 )
-from swarm.relay import RelayHub, RelayLink, start_relay
-from swarm.steps import majority_step, others_step
+from swarm.steps import others_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,11 +76,6 @@ DHT_READ_TIMEOUT_S = 2 * REFRESH_S
 # Peers that start together wait a random time up to this before they pick a stage, so that each
 # sees the ones before it and they spread out.
 SPREAD_WAIT_S = 2.0
-
-
-def any_relay(dht, run: RunConfig) -> bool:
-    """Whether a peer of the run relays (`--relay`)."""
-    return any(p.relay for s in read_swarm(dht, run.run_id, run.stages.count).stages for p in s)
 
 
 class PeerDaemon:
@@ -125,8 +113,8 @@ class PeerDaemon:
         self.measured = 0.0
         self.load_s = 0.0  # how long this peer's last load of a stage took (its worker and state)
         self.link: tuple[float, float] | None = None  # (uplink, downlink) bits/s, from the coordinator's link test
-        self.relay: RelayLink | None = None  # when nobody can dial this peer: its stream to a relay
-        self.relay_server = None  # with --relay: the relay it runs for others
+        self.reach = PeerReach(self, run, dht, options, member)
+        self.loader = StageLoader(self, run, dht, device, options)
         self.steadiness = peer_steadiness()
 
     @property
@@ -148,8 +136,8 @@ class PeerDaemon:
         self.measured = self.stage_capacity(stage)
         self.announce(capacity=self.measured)
         began = time.monotonic()
-        self.worker = self.new_worker(stage)
-        source = self.take_state(stage, self.worker)
+        self.worker = self.loader.new_worker(stage)
+        source = self.loader.take_state(stage, self.worker)
         self.load_s = time.monotonic() - began
         self.go_online(stage, source)
 
@@ -161,12 +149,6 @@ class PeerDaemon:
             measured = capacity(measured, *self.link, *sample_bytes(self.run, stage))
         return measured
 
-    def new_worker(self, stage: int) -> StageWorker:
-        opts, checkpoints = self.options, None
-        if opts.checkpoint_dir is not None:
-            checkpoints = CheckpointWriter(opts.checkpoint_dir, self.run, stage, opts.checkpoint_every)
-        return StageWorker(self.run, stage, self.device, self.dht, checkpoints, opts.faults, opts.inflight)
-
     def go_online(self, stage: int, source: str) -> None:
         """Serve `self.worker`, loaded with `stage`'s state from `source`, and announce it online."""
         self.track_swarm()  # before it serves: no request may move it past the swarm's step
@@ -175,7 +157,7 @@ class PeerDaemon:
         self.server, _, self.port = start_server(self.worker, opts.host, self.port, member=self.member)
         self.announce(
             stage=stage,
-            address=self.relay.address if self.relay and self.relay.address else self.direct_address(),
+            address=self.reach.address(),
             device=self.worker.device_name,
             throughput=self.measured,
             capacity=self.measured,
@@ -196,97 +178,6 @@ class PeerDaemon:
                 run_id=self.run.run_id, stage=stage, address=r.address, peer_id=r.peer_id, public_name=r.public_name
             )
             write_ready(self.options.ready_file, ready)
-
-    def direct_address(self) -> str:
-        return announce_address(self.options.host, self.port, self.options.announce_host)
-
-    def check_reach(self) -> None:
-        """Ask the coordinator to dial this peer back (coordinator/api_reachability.py); announce what it
-        found, and when nobody can reach this peer, say what to change."""
-        r = self.record
-        try:
-            found = dial_back(self.options.coordinator, self.options.join_token, r.address, r.dht_addrs)
-        except ConfigError as err:
-            log.warning(f"peer {self.name}: reachability not checked: {err}")
-            return
-        self.announce(reach=found["reach"])
-        if found["reach"] == "direct":
-            log.info(f"peer {self.name}: reachable: the coordinator dialled {r.address} back")
-            return
-        if found.get("relay") or any_relay(self.dht, self.run):
-            self.serve_through(found.get("relay"))
-            return
-        failed = [d for d in [found["stage"], *found["dht"]] if d["reach"] != "direct"]
-        dht_port = next((m.group(1) for a in r.dht_addrs if (m := re.search(r"/tcp/(\d+)", a))), "PORT")
-        log.warning(
-            f"peer {self.name}: UNREACHABLE: the coordinator, dialling from outside, could not connect to "
-            + ", ".join(f"{d['target']} ({d['error']})" for d in failed)
-            + ". Trainers will not send this peer work. Behind a home router: forward TCP ports "
-            f"{self.port} (stage) and {dht_port} (DHT) to this machine and start it with --port {self.port} "
-            f"--dht-port {dht_port} --announce-host YOUR_PUBLIC_IP; or open those ports in this machine's firewall."
-        )
-
-    def serve_through(self, coordinator_relay: str | None) -> None:
-        """Nobody can dial this peer: keep a stream open to a relay (the peers' started with --relay, in
-        random order, then the coordinator's), and announce the address it gives; when that relay
-        goes, the next one."""
-        host = self.options.host if self.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
-
-        def relays() -> list[tuple[str, str | None]]:
-            view = read_swarm(self.dht, self.run.run_id, self.run.stages.count)
-            mine = self.record.peer_id
-            found = [(p.relay, p.peer_id) for s in view.stages for p in s if p.relay and p.peer_id != mine]
-            random.shuffle(found)
-            return found + ([(coordinator_relay, None)] if coordinator_relay else [])
-
-        def relayed(address: str) -> None:
-            log.info(f"peer {self.name}: relayed: trainers reach it at {address}")
-            self.announce(address=address, reach="relayed")
-
-        log.info(f"peer {self.name}: not reachable from outside; serving through a relay")
-        opts = self.options
-        self.relay = RelayLink(relays, (host, self.port), relayed, opts.join_token, self.member).start()
-
-    def run_relay(self, capacity: int) -> None:
-        """Relay up to `capacity` peers nobody can dial (`--relay`), over mutual TLS with the run's
-        certificates (members only), and announce where."""
-        if self.record.reach != "direct":
-            log.warning(f"peer {self.name}: --relay: nobody else can dial this peer either, so it relays no one")
-            return
-        hub = RelayHub(self.options.host, self.options.announce_host, capacity, self.member.refusal)
-        self.relay_server, port = start_relay(hub, 0, self.member.server_credentials())
-        where = announce_address(self.options.host, port, self.options.announce_host)
-        self.announce(relay=where)
-        log.info(f"peer {self.name}: relaying up to {capacity} peers nobody can dial, at {where}")
-
-    def take_state(self, stage: int, worker: StageWorker) -> str:
-        """Load the stage's newest state into `worker`: this peer's checkpoint when it is newer than
-        what the live peers hold, else theirs (else the seeded init); returns where it came from."""
-        self.options.faults.slow_download()
-        folder = self.options.checkpoint_dir
-        checkpoint = latest_checkpoint(folder, self.run, stage) if folder else None
-        live = [] if checkpoint is None else self.live_steps(stage)
-        source = None
-        if checkpoint is None or (live and checkpoint.step <= majority_step(live)):
-            source = worker.updater.load_state()
-            if checkpoint is None or worker.optimizer_steps >= checkpoint.step:
-                return source
-            log.info(
-                f"peer {self.name}: the live peers of stage {stage} offered step {worker.optimizer_steps}, "
-                f"the checkpoint holds step {checkpoint.step}"
-            )
-        try:
-            source = worker.load_checkpoint(checkpoint)
-        except CheckpointError as err:
-            log.warning(f"peer {self.name}: cannot load checkpoint {checkpoint.path}: {err}")
-            return source if source is not None else worker.updater.load_state()
-        log.info(f"peer {self.name}: resumed stage {stage} from {checkpoint.path}")
-        return source
-
-    def live_steps(self, stage: int) -> list[int]:
-        """The steps the other online peers of `stage` hold, as their records say."""
-        records = read_stage(self.dht, self.run.run_id, stage)
-        return [p.optimizer_steps for p in records if p.state == "online" and p.peer_id != self.record.peer_id]
 
     def refresh(self) -> None:
         live = self.worker.throughput
@@ -370,9 +261,9 @@ class PeerDaemon:
         ready_at = get_dht_time() + expected_move_s(self.load_s, scale)
         self.announce(timeout=2, moving_to=target, ready_at=ready_at, capacity=measured)
         with self.refreshing():
-            worker = self.new_worker(target)
+            worker = self.loader.new_worker(target)
             try:
-                source_of_state = self.take_state(target, worker)
+                source_of_state = self.loader.take_state(target, worker)
             except BaseException:
                 worker.close()
                 self.announce(moving_to=None, ready_at=None, capacity=self.measured)
@@ -412,22 +303,6 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def behind_nat(options: PeerOptions, host: str) -> bool:
-    """Whether the coordinator cannot dial this machine, asked before anything serves: on two listening
-    sockets standing in for the stage service and the DHT node (on their ports when fixed), so that a
-    peer behind a router starts its DHT node in client mode (hivemind's: it dials out only, and no one
-    waits on it) and its gradient averager with it. False when the coordinator cannot say."""
-    try:
-        with socket.create_server((host, options.port)) as stage, socket.create_server((host, options.dht_port)) as dht:
-            announced = announce_address(host, stage.getsockname()[1], options.announce_host)
-            name, dht_port = announced.rpartition(":")[0], dht.getsockname()[1]
-            maddr = f"/ip6/{name.strip('[]')}/tcp/{dht_port}" if ":" in name else f"/ip4/{name}/tcp/{dht_port}"
-            found = dial_back(options.coordinator, options.join_token, announced, [maddr], timeout=15)
-    except (OSError, ConfigError):  # a port taken, a coordinator not up: the start says so itself, later
-        return False
-    return found.get("reach") == "unreachable"
 
 
 def run_peer(options: PeerOptions) -> int:
@@ -490,9 +365,9 @@ def run_peer(options: PeerOptions) -> int:
             counts = [len(view.stages[k]) for k in range(run.stages.count)]
             stage = pick_stage(stage_totals(view), counts, fits)
         peer.serve(stage)
-        peer.check_reach()
+        peer.reach.check()
         if options.relay > 0:
-            peer.run_relay(options.relay)
+            peer.reach.run_relay(options.relay)
         me = peer.record.public_name or peer.record.peer_id  # the dashboard's ?peer= takes either
         print(f"peer {me} online: {options.coordinator.rstrip('/')}/?{urlencode({'peer': me})}", flush=True)
         period = run.rebalance.period_s
