@@ -37,15 +37,13 @@ if TYPE_CHECKING:  # swarm.py builds a SpotCheckCaller around its SwarmCaller
 
 
 class SpotCheckCaller:
-    """A `StageCaller`: the calls of `inner`, with a share of its training calls checked by `spot`;
-    peers it bans are dropped from `members`."""
+    """A `StageCaller`: the calls of `inner`, with a share of its training calls checked by `spot` (and
+    settled by a `Referee`); peers it bans are dropped from `members`."""
 
     def __init__(self, inner: SwarmCaller, members: Membership, spot: SpotChecks):
         self.inner, self.members, self.spot = inner, members, spot
         self.run, self.trace = inner.run, inner.trace
-        self.taken_back = 0  # outvoted training answers whose gradient their peer took back
-        self.kept_outvoted = 0  # ... whose peer did not (a liar, gone, or the stage had stepped)
-        self.redone = 0  # microbatches redone on another peer after an outvoted training answer
+        self.referee = Referee(inner, members, spot)
 
     @property
     def failures(self) -> int:
@@ -76,17 +74,19 @@ class SpotCheckCaller:
         if not train or not self._due(stage, name):
             return self.inner.forward(stage, samples, name, train, send, check, mb_id, after)
         if not last:  # the check is a training forward too; the gradient comes with the backward
-            return self._checked(stage, samples, name, mb_id, lambda c: send(c, True), lambda c: send(c, True), check)
+            return self.referee.checked(
+                stage, samples, name, mb_id, lambda c: send(c, True), lambda c: send(c, True), self._rtol(), check
+            )
         rtols = (LOSS_RTOL[self.run.model.dtype], self._rtol())
-        return self._checked(
+        return self.referee.checked(
             stage,
             samples,
             name,
             mb_id,
             lambda c: send(c, True),
             lambda c: send(c, False, True),
+            rtols if stage > 0 else rtols[:1],
             check,
-            rtol=rtols if stage > 0 else rtols[:1],
             accumulates=True,
         )
 
@@ -103,13 +103,14 @@ class SpotCheckCaller:
         # Stage 0 answers no input gradient (token ids have none): nothing to compare.
         if stage == 0 or not self._due(stage, f"{name}/backward"):
             return self.inner.backward(stage, samples, name, send, prefer, check, mb_id)
-        return self._checked(
+        return self.referee.checked(
             stage,
             samples,
             name,
             mb_id,
             lambda c: send(c, False),
             lambda c: send(c, True),
+            self._rtol(),
             check,
             prefer=prefer,
             accumulates=True,
@@ -128,7 +129,49 @@ class SpotCheckCaller:
     def _rtol(self) -> float:
         return self.run.verify.rtol or tolerance(self.run.wire.codec, self.run.model.dtype)
 
-    def _checked(
+    def served(self, stage: int, peer: str, samples: int) -> None:
+        self.inner.served(stage, peer, samples)
+
+    def ceiling(self) -> int | None:
+        return self.inner.ceiling()
+
+    def host(self, stage: int, peer: str) -> str:
+        return self.inner.host(stage, peer)
+
+    def paused(self) -> bool:
+        return self.inner.paused()
+
+    def bytes_on_wire(self) -> int:
+        return self.inner.bytes_on_wire()
+
+    def counts(self) -> dict:
+        return {
+            **self.inner.counts(),
+            "spot_checks": self.spot.checks,
+            "spot_disagreements": self.spot.disagreements,
+            "spot_unresolved": self.spot.unresolved,
+            "spot_bans": self.spot.bans,
+            "outvoted_taken_back": self.referee.taken_back,
+            "outvoted_kept": self.referee.kept_outvoted,
+            "redone": self.referee.redone,
+        }
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Referee:
+    """Settles checked training calls: a second peer's answer to the same request, a third's when the
+    two disagree, and, for a training answer outvoted, its gradient taken back and the microbatch
+    redone on a peer that agreed; a peer outvoted `strikes` times is dropped from `members`."""
+
+    def __init__(self, inner: SwarmCaller, members: Membership, spot: SpotChecks):
+        self.inner, self.members, self.spot = inner, members, spot
+        self.taken_back = 0  # outvoted training answers whose gradient their peer took back
+        self.kept_outvoted = 0  # ... whose peer did not (a liar, gone, or the stage had stepped)
+        self.redone = 0  # microbatches redone on another peer after an outvoted training answer
+
+    def checked(
         self,
         stage: int,
         samples: int,
@@ -136,15 +179,15 @@ class SpotCheckCaller:
         mb_id: str,
         train: Callable[[StageClient], T],
         ask: Callable[[StageClient], T],
+        rtol: float | tuple[float, ...],
         check: Check | None = None,
         prefer: str | None = None,
-        rtol: float | tuple[float, ...] | None = None,
         accumulates: bool = False,
     ) -> tuple[T, str]:
         """A training call (`train`) compared with a second peer's answer to the same request
-        (`ask`), and a third's when they disagree; the answer to use and its peer. `prefer`: the
-        training call's peer, when it can; `accumulates`: the training call adds to the stage's
-        gradient (its second answers keep none), so an outvoted one is taken back and redone."""
+        (`ask`), and a third's when they disagree (by more than `rtol`); the answer to use and its peer.
+        `prefer`: the training call's peer, when it can; `accumulates`: the training call adds to the
+        stage's gradient (its second answers keep none), so an outvoted one is taken back and redone."""
         peers = self.members.live(stage)
         hosts = self.members.hosts(stage)
 
@@ -155,7 +198,6 @@ class SpotCheckCaller:
             return {q for q in peers if host(q) == host(p)}
 
         call = self.inner.call
-        rtol = self._rtol() if rtol is None else rtol
         # The second answer comes first: once the training call's gradient is kept, the stage may
         # step, and an answer computed after that would be of the next step's weights.
         # (It is not checked here: a malformed one loses the comparison below.)
@@ -255,7 +297,7 @@ class SpotCheckCaller:
             taken_back = self._take_back(stage, peer, mb_id)
             self._banned(stage, name, peer, self.spot.strike(stage, peer))
             if not taken_back:
-                return responses[agreed[0][0]], peer  # (as in `_checked`: redone again, it would count twice)
+                return responses[agreed[0][0]], peer  # (as in `checked`: redone again, it would count twice)
 
     def _take_back(self, stage: int, peer: str, mb_id: str) -> bool:
         """Ask `peer` to take back the gradient its training call of microbatch `mb_id` kept; whether it did."""
@@ -273,36 +315,6 @@ class SpotCheckCaller:
         if banned:
             self.members.drop(stage, peer)
             event(f"spot check: banned peer {peer} of stage {stage} at microbatch {name}")
-
-    def served(self, stage: int, peer: str, samples: int) -> None:
-        self.inner.served(stage, peer, samples)
-
-    def ceiling(self) -> int | None:
-        return self.inner.ceiling()
-
-    def host(self, stage: int, peer: str) -> str:
-        return self.inner.host(stage, peer)
-
-    def paused(self) -> bool:
-        return self.inner.paused()
-
-    def bytes_on_wire(self) -> int:
-        return self.inner.bytes_on_wire()
-
-    def counts(self) -> dict:
-        return {
-            **self.inner.counts(),
-            "spot_checks": self.spot.checks,
-            "spot_disagreements": self.spot.disagreements,
-            "spot_unresolved": self.spot.unresolved,
-            "spot_bans": self.spot.bans,
-            "outvoted_taken_back": self.taken_back,
-            "outvoted_kept": self.kept_outvoted,
-            "redone": self.redone,
-        }
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _answer(response: pb.ForwardResponse | pb.BackwardResponse) -> Answer:
