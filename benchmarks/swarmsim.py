@@ -41,6 +41,7 @@ import heapq
 import math
 import random
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from peer.throughput import capacity
@@ -169,6 +170,55 @@ def oracle(speeds_by_peer: list[float], stages: int) -> float:
     return sum(speeds_by_peer) / stages
 
 
+class SimDHT:
+    """The DHT as the simulated peers and the trainer read it: each live peer's record as last written,
+    the departed peers' records until they expire, and the swarm as it was at each of the last
+    DELAY_CLASSES steps (a reader of delay class c sees it as it was c steps ago)."""
+
+    def __init__(self, options: SimOptions) -> None:
+        self.o = options
+        self.history: deque[SwarmView] = deque(maxlen=DELAY_CLASSES)
+        self.records: dict[str, PeerRecord] = {}  # each live peer's record as last written
+        self.ghosts: dict[str, PeerRecord] = {}  # departed peers' last records, in the DHT until they expire
+
+    def forget(self, pid: str) -> None:
+        """A peer left without a word (closed laptop, lost link): its record stays until it expires."""
+        if pid in self.records:
+            self.ghosts[pid] = self.records.pop(pid)
+
+    def publish(self, peers: Iterable[SimPeer], now: float) -> None:
+        """Every peer's record as written this step (one store per peer), and the departed peers' records
+        that have not expired yet."""
+        stages: list[list[PeerRecord]] = [[] for _ in range(self.o.stages)]
+        self.ghosts = {pid: g for pid, g in self.ghosts.items() if now - g.updated < TTL_S}
+        for g in self.ghosts.values():
+            stages[g.stage].append(g)
+        for p in peers:
+            stages[p.stage].append(
+                record := PeerRecord(  # validated: faster than pydantic's model_construct (130 us against 2)
+                    peer_id=p.peer_id,
+                    address="",
+                    stage=p.stage,
+                    state=p.state,
+                    moving_to=p.moving_to,
+                    ready_at=p.announced_ready if p.moving_to is not None and self.o.announce_ready else None,
+                    throughput=self.announced(p) if p.state == "online" else 0.0,
+                    capacity=self.announced(p),
+                    updated=now,
+                )
+            )
+            self.records[p.peer_id] = record
+        self.history.appendleft(SwarmView.model_construct(stages=stages, trainers=[], read_at=now))
+
+    def announced(self, p: SimPeer) -> float:
+        """What a peer announces it can do: the lower of its device's benchmark and its link's speed test
+        (peer/throughput.py `capacity`); without `link_in_capacity`, the benchmark alone."""
+        return p.capacity if self.o.link_in_capacity else p.device.speed
+
+    def view(self, delay_class: int) -> SwarmView:
+        return self.history[min(delay_class, len(self.history) - 1)]
+
+
 class Simulation:
     def __init__(self, options: SimOptions) -> None:
         self.o = options
@@ -178,11 +228,9 @@ class Simulation:
         self.departures: list[tuple[float, str]] = []  # heap of (time, peer id)
         self.counter = 0
         self.now = 0.0
-        self.history: deque[SwarmView] = deque(maxlen=DELAY_CLASSES)
         # Peers of one delay class read the same views at the same steps, so they share one Steadiness.
         self.steadiness = [peer_steadiness(options.settle_s) for _ in range(DELAY_CLASSES)]
-        self.records: dict[str, PeerRecord] = {}  # each live peer's record as last written
-        self.ghosts: dict[str, PeerRecord] = {}  # departed peers' last records, in the DHT until they expire
+        self.dht = SimDHT(options)
         self.routers = [Router() for _ in range(options.stages)]
         self.result = SimResult()
 
@@ -221,8 +269,8 @@ class Simulation:
     def depart(self, pid: str) -> None:
         """A peer leaves without a word (closed laptop, lost link): its record stays until it expires."""
         peer = self.peers.pop(pid, None)
-        if peer is not None and pid in self.records:
-            self.ghosts[pid] = self.records.pop(pid)
+        if peer is not None:
+            self.dht.forget(pid)
         if peer is not None and self.o.policy == "clairvoyant" and peer.state == "online":
             self.respond(peer)
 
@@ -257,36 +305,11 @@ class Simulation:
     # -- the DHT -----------------------------------------------------------------------------------
 
     def publish(self) -> None:
-        """Every peer's record as written this step (one store per peer), and the departed peers' records
-        that have not expired yet."""
-        stages: list[list[PeerRecord]] = [[] for _ in range(self.o.stages)]
-        self.ghosts = {pid: g for pid, g in self.ghosts.items() if self.now - g.updated < TTL_S}
-        for g in self.ghosts.values():
-            stages[g.stage].append(g)
-        for p in self.peers.values():
-            stages[p.stage].append(
-                record := PeerRecord(  # validated: faster than pydantic's model_construct (130 us against 2)
-                    peer_id=p.peer_id,
-                    address="",
-                    stage=p.stage,
-                    state=p.state,
-                    moving_to=p.moving_to,
-                    ready_at=p.announced_ready if p.moving_to is not None and self.o.announce_ready else None,
-                    throughput=self.announced(p) if p.state == "online" else 0.0,
-                    capacity=self.announced(p),
-                    updated=self.now,
-                )
-            )
-            self.records[p.peer_id] = record
-        self.history.appendleft(SwarmView.model_construct(stages=stages, trainers=[], read_at=self.now))
-
-    def announced(self, p: SimPeer) -> float:
-        """What a peer announces it can do: the lower of its device's benchmark and its link's speed test
-        (peer/throughput.py `capacity`); without `link_in_capacity`, the benchmark alone."""
-        return p.capacity if self.o.link_in_capacity else p.device.speed
+        """Every peer's record as written this step (`SimDHT.publish`)."""
+        self.dht.publish(self.peers.values(), self.now)
 
     def view(self, delay_class: int) -> SwarmView:
-        return self.history[min(delay_class, len(self.history) - 1)]
+        return self.dht.view(delay_class)
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -332,10 +355,10 @@ class Simulation:
                     continue  # a check that falls due while the swarm is unsteady waits (peer/daemon.py)
                 if p.delay_class not in plans:
                     plans[p.delay_class] = planned_moves(view, o.margin)
-                target = should_move(view, self.records[p.peer_id], o.margin, plan=plans[p.delay_class])
+                target = should_move(view, self.dht.records[p.peer_id], o.margin, plan=plans[p.delay_class])
                 p.next_check = self.now + self.rng.uniform(0.5, 1.5) * o.period_s
             else:
-                target = petals_choice(view, p.stage, self.announced(p), o.petals_quality)
+                target = petals_choice(view, p.stage, self.dht.announced(p), o.petals_quality)
                 p.next_check = self.now + o.petals_period_s
             if target is not None:
                 self.move(p, target)
