@@ -29,6 +29,7 @@ from benchmarks.trainers import SECTION as TRAINERS_SECTION
 from benchmarks.wire import TLS_SECTION
 from swarm.config import load_config
 from tests.conftest import ROOT
+from tests.harness import swarm_fixture
 
 LOGS = ("--log-dir", "{tmp}/logs")  # the benchmarks that start processes keep their logs with the test
 TINY = {
@@ -149,7 +150,7 @@ def smoke_run(name: str, tmp) -> tuple[subprocess.CompletedProcess, object]:
     return subprocess.CompletedProcess(args, proc.returncode, out, err), results
 
 
-@pytest.fixture(scope="module")
+@swarm_fixture(scope="module")
 def smoke_runs(tmp_path_factory):
     """Every smoke run, started once for the module, two at a time: most of each is waiting (interpreters
     importing torch, DHT records, timeouts), so a pair takes little longer than its longer run."""

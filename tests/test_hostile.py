@@ -22,7 +22,7 @@ STRIKES = 2  # tiny.toml leaves verify.strikes at its default
 
 
 @pytest.mark.parametrize("malformed", ["shape", "nan"])
-def test_a_peer_answering_malformed_tensors_is_banned_and_every_step_completes(tmp_path, malformed):
+def test_a_peer_answering_malformed_tensors_is_banned_and_every_step_completes(processes, tmp_path, malformed):
     swarm = Swarm(tmp_path)
     try:
         swarm.add_peer("honest0", 0)
@@ -47,7 +47,7 @@ def test_a_peer_answering_malformed_tensors_is_banned_and_every_step_completes(t
         swarm.close()
 
 
-def test_with_no_other_worker_to_ask_a_bad_answer_ends_the_run_with_one_line(tmp_path):
+def test_with_no_other_worker_to_ask_a_bad_answer_ends_the_run_with_one_line(processes, tmp_path):
     """A static pipeline (`--peers`) has one worker per stage: a bad answer cannot be asked of
     another, and the run ends with one line naming the worker and what was wrong, no traceback."""
     procs = []

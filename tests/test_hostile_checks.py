@@ -104,7 +104,7 @@ def what_happened(swarm: Swarm) -> list[str]:
     return [line.strip()[:200] for line in lines if "spot check" in line or "failed (" in line]
 
 
-def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_path):
+def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(processes, tmp_path):
     config = checked_config(tmp_path, 0.5)
     swarm = Swarm(tmp_path, config)
     try:
@@ -130,7 +130,9 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(tmp_p
 
 
 @pytest.mark.parametrize("where", ["last stage", "inner backward"])
-def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_gradients_taken_back(tmp_path, where):
+def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_gradients_taken_back(
+    processes, tmp_path, where
+):
     stages = 2 if where == "last stage" else 3
     # Every call checked: each training answer the liar gives is compared (with half of them checked,
     # a CI run saw one of its lies in 12 steps). The first step's verdicts (first calls to each peer,
@@ -173,7 +175,7 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
         swarm.close()
 
 
-def test_a_liar_is_outvoted_by_a_third_machine_the_router_has_just_set_aside(tmp_path):
+def test_a_liar_is_outvoted_by_a_third_machine_the_router_has_just_set_aside(processes, tmp_path):
     """In one process: three real stage-1 workers of tiny.toml (its last stage) on loopback addresses of
     their own, over mutual TLS, behind a trainer's spot-checking caller; one worker corrupts the input
     gradients of its training answers. Before each call honest `b` is set aside by the router (as after
@@ -232,7 +234,7 @@ def test_a_liar_is_outvoted_by_a_third_machine_the_router_has_just_set_aside(tmp
 
 
 @pytest.mark.parametrize("honest", [1, 2])
-def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(tmp_path, honest):
+def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(processes, tmp_path, honest):
     """Beside one honest machine the two Sybils are one voter against one: nobody can tell who is
     right, the disagreements are counted and nobody is banned (the Sybils used to outvote the honest
     peer and have it banned). Beside two honest machines they are outvoted and banned."""

@@ -37,7 +37,7 @@ def refusal(args: list[str], log: Path, timeout: float = 120) -> tuple[int | Non
     return code, proc.output()
 
 
-def test_a_run_config_naming_local_files_does_not_make_the_trainer_read_them(tmp_path: Path):
+def test_a_run_config_naming_local_files_does_not_make_the_trainer_read_them(processes, tmp_path: Path):
     secret = tmp_path / "id_rsa"
     secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nnot for the swarm\n" * 50)
     config = tmp_path / "run.toml"
@@ -95,7 +95,7 @@ class HostileCoordinator(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_peer_refuses_a_run_id_that_would_put_its_checkpoints_outside_its_folder(tmp_path: Path):
+def test_a_peer_refuses_a_run_id_that_would_put_its_checkpoints_outside_its_folder(processes, tmp_path: Path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), HostileCoordinator)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     checkpoints = tmp_path / "home" / "checkpoints"

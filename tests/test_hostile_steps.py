@@ -40,7 +40,7 @@ def assert_no_step_skipped(swarm: Swarm, tmp, names: list[str]) -> None:
         assert "skipped step" not in log, log[-3000:]
 
 
-def test_a_trainer_naming_a_far_step_is_refused_and_moves_no_stage(tmp_path):
+def test_a_trainer_naming_a_far_step_is_refused_and_moves_no_stage(processes, tmp_path):
     swarm = Swarm(tmp_path)
     hostile = None
     try:
@@ -68,7 +68,7 @@ def test_a_trainer_naming_a_far_step_is_refused_and_moves_no_stage(tmp_path):
         swarm.close()
 
 
-def test_members_claiming_a_huge_step_in_every_stage_do_not_move_the_trainer(tmp_path):
+def test_members_claiming_a_huge_step_in_every_stage_do_not_move_the_trainer(processes, tmp_path):
     swarm = Swarm(tmp_path)
     try:
         names = ["a", "b"]

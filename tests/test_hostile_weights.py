@@ -28,7 +28,7 @@ MICRO_BATCH = 2
 
 
 @pytest.mark.parametrize("mode", ["gradients", "diloco"])
-def test_a_peer_declaring_a_huge_sample_count_is_banned_and_weighs_little(tmp_path, mode):
+def test_a_peer_declaring_a_huge_sample_count_is_banned_and_weighs_little(processes, tmp_path, mode):
     """With DiLoCo the liar declares 10^6 samples for each step of its phase, so its pseudo-gradient
     would weigh 10^6 / inner_steps per step: capped as a gradient's weight is."""
     # Microbatches of 2 (8 a step): the liar hands in no gradient, so a step whose every microbatch it
