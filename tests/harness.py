@@ -47,10 +47,30 @@ def swarm_fixture(function: Callable | None = None, **options):
     return make(function) if function is not None else make
 
 
+# torch's shared-memory manager: started (in a session of its own) by the first `share_memory_()` of
+# this process, and needed for the process's life. Ended, every shared tensor freed later (hivemind's
+# step controls, from a late garbage collection) aborts the process: "Broken pipe" thrown in
+# THManagedMapAllocator::close().
+KEPT = {"torch_shm_manager"}
+
+
+def command_name(pid: int) -> str:
+    """The process's executable name (Linux keeps its first 15 characters), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def own_children() -> set[int]:
-    """Process groups this process started (`start_new_session`) that are still running."""
+    """Process groups this process started (`start_new_session`) that are still running, but the
+    KEPT ones."""
     me = os.getpid()
-    return {pid for pid, state, ppid, group in process_table() if ppid == me and group == pid and state != "Z"}
+    return {
+        pid
+        for pid, state, ppid, group in process_table()
+        if ppid == me and group == pid and state != "Z" and command_name(pid) not in {name[:15] for name in KEPT}
+    }
 
 
 def end_groups(groups: set[int], timeout: float = 15.0) -> None:
