@@ -4,6 +4,8 @@ Each runs in a fresh interpreter from the repository root, with rows sent to a f
 (`--results`): benchmarks/results.md holds only real measurements and must not change. The sizes
 are the smallest that still go through every phase of each benchmark (a kill, a restart, both
 codecs of a comparison); what the rows say at this size is not checked, only that one is written.
+A benchmark's smoke run is started by the first test about it and shared with the others, which
+run on the same xdist worker (`about`); different benchmarks run on different workers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import re
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +32,6 @@ from benchmarks.trainers import SECTION as TRAINERS_SECTION
 from benchmarks.wire import TLS_SECTION
 from swarm.config import load_config
 from tests.conftest import ROOT
-from tests.harness import swarm_fixture
 
 LOGS = ("--log-dir", "{tmp}/logs")  # the benchmarks that start processes keep their logs with the test
 TINY = {
@@ -44,12 +46,12 @@ TINY = {
     ],
     "coordinator": ["--stages", "2", "--peers", "10", "--requests", "5", "--timeout-s", "60", *LOGS],
     "dashboard": ["--stages", "2", "--peers", "10", "--warmup", "1", "--updates", "2", "--timeout-s", "60", *LOGS],
-    "data": ["--gb", "0.01", "--files", "3", "--config", "configs/tiny.toml", "--steps", "2", "--warmup", "1"],
-    "failover": ["--steps", "20", "--warmup-s", "3", "--settle-s", "2", "--window", "2", "--hold", "2", *LOGS],
-    "fuzz": ["--cases", "30", *LOGS],
-    "local": ["--config", "configs/tiny.toml", "--steps", "3", "--warmup", "1"],
+    "data": ["--gb", "0.002", "--files", "3", "--config", "configs/tiny.toml", "--steps", "2", "--warmup", "1"],
+    "failover": ["--steps", "8", "--warmup-s", "1", "--settle-s", "1", "--window", "1", "--hold", "1", *LOGS],
+    "fuzz": ["--cases", "10", *LOGS],
+    "local": ["--config", "configs/tiny.toml", "--steps", "2", "--warmup", "1"],
     "outer": [
-        *("--steps", "4", "--seeds", "2", "--variants", "int8/diloco2-lr1-m0,none/diloco2-lr0.7-m0.5"),
+        *("--steps", "2", "--seeds", "2", "--variants", "int8/diloco2-lr1-m0,none/diloco2-lr0.7-m0.5"),
         *("--tail", "2", "--eval-batches", "2"),
     ],
     "pipeline": [
@@ -65,34 +67,25 @@ TINY = {
         *("--steps", "12", "--warmup", "1", "--delays", "0.005,0.01", "--averaging", "int8/diloco3"),
         *("--timeout-s", "240", *LOGS),
     ],
-    "verify": ["--steps", "3", "--repeat", "0", "--tail", "2", *LOGS],
+    "verify": ["--steps", "3", "--repeat", "0", "--no-unchecked-liar", "--tail", "2", *LOGS],
     "wan": [
-        "--config",
-        "configs/tiny.toml",
-        "--mbit",
-        "100",
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-        "--compressions",
-        "int8/diloco2",
-        "--wire",
-        "int8",
-        "--inflight",
-        "2",
-        "--shipped",
+        *("--config", "configs/tiny.toml", "--mbit", "100", "--steps", "2", "--warmup", "0"),
+        *("--compressions", "int8/diloco2", "--wire", "int8", "--inflight", "2", "--shipped"),
     ],
-    "wire": ["--reps", "2", "--warmup", "1", "--codecs", "bf16", "--modules", "noop", "--batch", "2"],
+    "wire": [
+        *("--config", "configs/tiny.toml", "--reps", "2", "--warmup", "1"),
+        *("--codecs", "bf16", "--modules", "noop", "--batch", "2"),
+    ],
 }
 
-# The verify run (3 swarms one after another) took 412 to 450 s beside the failover run on 2 loaded
-# cores; a test waits for its run, up to this and the minute an interrupted run has to stop.
-SMOKE_TIMEOUT_S = 720
+# A smoke run takes seconds to a minute on 2 idle cores; on cores shared with the rest of the suite a
+# test waits for its run up to this, and the minute an interrupted run has to stop.
+SMOKE_TIMEOUT_S = 600
 pytestmark = pytest.mark.timeout(SMOKE_TIMEOUT_S + 120)
 
 # A row of any benchmark's table: "| date | machine | ...".
 ROW_START = "| 20"
+SHIPPED = ROOT / "benchmarks" / "results.md"
 
 
 def cells(header: str, row: str) -> dict[str, str]:
@@ -104,36 +97,36 @@ def digest(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-# Longest first, so that two at a time finish about together.
-ORDER = [
-    *(
-        "verify",
-        "failover",
-        "chaos",
-        "averaging",
-        "wan",
-        "trainers",
-        "rebalance",
-        "pipeline",
-        "scale",
-        "coordinator",
-        "dashboard",
-        "fuzz",
-        "wire",
-    ),
-    "data",
-    "local",
-    "outer",
-    "simulate",
-]
+@dataclass(frozen=True)
+class Smoke:
+    """A finished smoke run: the process, the results file it wrote its rows to, and whether
+    benchmarks/results.md was the same after it as before."""
+
+    done: subprocess.CompletedProcess
+    results: Path
+    shipped_unchanged: bool
+
+    @property
+    def logs(self) -> Path:
+        return self.results.parent / "logs"
+
+    def rows(self, section: str) -> list[str]:
+        """The lines of `section`'s table (header and rule first), as the run wrote them."""
+        _, found, text = self.results.read_text().partition(f"## {section}\n")
+        assert found, f"no section {section!r} in {self.results}:\n{self.results.read_text()}"
+        return [line for line in text.split("\n## ")[0].splitlines() if line.startswith("|")]
 
 
-def smoke_run(name: str, tmp) -> tuple[subprocess.CompletedProcess, object]:
+def smoke_run(name: str, tmp: Path) -> Smoke:
     results = tmp / "results.md"
     env = {k: v for k, v in os.environ.items() if k != "USE_LEGACY_BFLOAT16"}  # as a new shell has it
     env["PYTHONUNBUFFERED"] = "1"
+    # One torch thread in every process it starts: the suite runs two workers per core, and a process
+    # training with torch's two threads on such cores spins (2 steps of tiny.toml: 168 s, 8.6 s with one).
+    env["OMP_NUM_THREADS"] = "1"
     options = [arg.format(tmp=tmp) for arg in TINY[name]]
     args = [sys.executable, "-m", "benchmarks", "--results", str(results), name, *options]
+    before = digest(SHIPPED)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
         out, err = proc.communicate(timeout=SMOKE_TIMEOUT_S)
@@ -147,57 +140,62 @@ def smoke_run(name: str, tmp) -> tuple[subprocess.CompletedProcess, object]:
             proc.kill()
             out, err = proc.communicate()
         err += f"\n(interrupted after {SMOKE_TIMEOUT_S} s)"
-    return subprocess.CompletedProcess(args, proc.returncode, out, err), results
+    done = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    return Smoke(done, results, digest(SHIPPED) == before)
 
 
-@swarm_fixture(scope="module")
-def smoke_runs(tmp_path_factory):
-    """Every smoke run, started once for the module, two at a time: most of each is waiting (interpreters
-    importing torch, DHT records, timeouts), so a pair takes little longer than its longer run."""
-    shipped = ROOT / "benchmarks" / "results.md"
-    before = digest(shipped)
-    with ThreadPoolExecutor(2) as pool:
-        yield before, {name: pool.submit(smoke_run, name, tmp_path_factory.mktemp(name)) for name in ORDER}
+_smoke_runs: dict[str, Smoke] = {}  # this worker process's, by benchmark
 
 
-def test_every_benchmark_has_a_smoke_run_in_the_order():
-    assert set(TINY) == set(BENCHMARKS) == set(ORDER) and len(ORDER) == len(set(ORDER))
-
-
-@pytest.mark.parametrize("name", ORDER)
-def test_benchmark_runs_at_a_tiny_size_and_writes_a_row_elsewhere(name, smoke_runs):
-    before, futures = smoke_runs
-    done, results = futures[name].result()
+def smoke(name: str, tmp_path_factory: pytest.TempPathFactory) -> Smoke:
+    """Benchmark `name`'s smoke run, started by the first test about it in this worker process and
+    shared with the others (`about(name)` sends them all to one worker). It must have succeeded."""
     if name == "wan" and (why := unavailable()) is not None:
         pytest.skip(f"no emulated internet here: {why}")
-    assert done.returncode == 0, f"python -m benchmarks {name} exited {done.returncode}:\n{done.stderr[-3000:]}"
-    rows = [line for line in results.read_text().splitlines() if line.startswith(ROW_START)]
-    assert rows, f"no row in {results}:\n{results.read_text()}"
-    assert f"appended to {results}" in done.stdout
-    assert digest(ROOT / "benchmarks" / "results.md") == before, "the smoke run wrote to benchmarks/results.md"
+    if name not in _smoke_runs:
+        _smoke_runs[name] = smoke_run(name, tmp_path_factory.mktemp(name))
+    run = _smoke_runs[name]
+    assert run.done.returncode == 0, (
+        f"python -m benchmarks {name} exited {run.done.returncode}:\n{run.done.stderr[-3000:]}"
+    )
+    return run
 
 
-def test_wire_smoke_times_calls_over_mutual_tls_too(smoke_runs):
+def about(name: str) -> pytest.MarkDecorator:
+    """For the tests about one benchmark's smoke run: one xdist worker runs them all, so that they share
+    the run, and the runs of different benchmarks go to different workers."""
+    return pytest.mark.xdist_group(f"benchmark-{name}")
+
+
+def test_every_benchmark_has_a_smoke_run():
+    assert set(TINY) == set(BENCHMARKS)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=about(name)) for name in TINY])
+def test_benchmark_runs_at_a_tiny_size_and_writes_a_row_elsewhere(processes, name, tmp_path_factory):
+    run = smoke(name, tmp_path_factory)
+    rows = [line for line in run.results.read_text().splitlines() if line.startswith(ROW_START)]
+    assert rows, f"no row in {run.results}:\n{run.results.read_text()}"
+    assert f"appended to {run.results}" in run.done.stdout
+    assert run.shipped_unchanged, "the smoke run wrote to benchmarks/results.md"
+
+
+@about("wire")
+def test_wire_smoke_times_calls_over_mutual_tls_too(processes, tmp_path_factory):
     """The wire benchmark's TLS table gets its row at the tiny size too: the same worker answered over
     mutual TLS (run certificates both ways) and over plaintext, and both were timed."""
-    _, futures = smoke_runs
-    done, results = futures["wire"].result()
-    assert done.returncode == 0, f"python -m benchmarks wire exited {done.returncode}:\n{done.stderr[-3000:]}"
-    assert "answered differently over TLS" not in done.stdout
-    _, found, section = results.read_text().partition(f"## {TLS_SECTION}\n")
-    rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith(ROW_START)]
-    assert found and len(rows) == 1 and "| noop | bf16 |" in rows[0], results.read_text()
+    run = smoke("wire", tmp_path_factory)
+    assert "answered differently over TLS" not in run.done.stdout
+    rows = [line for line in run.rows(TLS_SECTION) if line.startswith(ROW_START)]
+    assert len(rows) == 1 and "| noop | bf16 |" in rows[0], run.results.read_text()
 
 
-def test_wan_smoke_sets_each_run_beside_the_config_as_shipped(smoke_runs):
+@about("wan")
+def test_wan_smoke_sets_each_run_beside_the_config_as_shipped(processes, tmp_path_factory):
     """With --shipped, the wan benchmark first runs the config as it is (tiny.toml's own wire codec and
     averaging) and notes the other run's tokens/s as a multiple of it; the trainer's flags go to both runs."""
-    if (why := unavailable()) is not None:
-        pytest.skip(f"no emulated internet here: {why}")
-    _, futures = smoke_runs
-    done, results = futures["wan"].result()
-    assert done.returncode == 0, f"python -m benchmarks wan exited {done.returncode}:\n{done.stderr[-3000:]}"
-    header, _, *rows = [line for line in results.read_text().splitlines() if line.startswith("|")]
+    run = smoke("wan", tmp_path_factory)
+    header, _, *rows = [line for line in run.results.read_text().splitlines() if line.startswith("|")]
     shipped, diloco = (cells(header, row) for row in rows if "| all direct |" in row)  # then the relayed run
     tiny = load_config(ROOT / "configs" / "tiny.toml")
     own = f"wire {tiny.wire.codec}, averaging {tiny.averaging.mode}, {tiny.averaging.compression};"
@@ -210,23 +208,22 @@ def test_wan_smoke_sets_each_run_beside_the_config_as_shipped(smoke_runs):
     assert multiple == pytest.approx(rates[0] / rates[1], abs=rounding), rows
 
 
-def test_chaos_smoke_survives_killed_peers_a_dead_coordinator_and_a_frozen_peer(smoke_runs):
+@about("chaos")
+def test_chaos_smoke_survives_killed_peers_a_dead_coordinator_and_a_frozen_peer(processes, tmp_path_factory):
     """configs/tiny.toml cut into 3 stages, 2 peers each, and a trainer: while it trains, the driver
     SIGKILLs the coordinator's process group and starts it again, freezes a peer's group with SIGSTOP
     and lets it go on, and SIGKILLs peers' groups and starts replacements. The run finishes every step
     with every microbatch done once as the trainer sees it, no gradient counted twice on any stage,
     calls retried elsewhere and a loss that went down; how many gradients died with the peers is
     reported, not asserted (a killed peer takes the gradients it held)."""
-    _, futures = smoke_runs
-    done, results = futures["chaos"].result()
-    assert done.returncode == 0, f"python -m benchmarks chaos exited {done.returncode}:\n{done.stderr[-3000:]}"
-    events = done.stdout[done.stdout.index("\nsummary\n") :]
+    run = smoke("chaos", tmp_path_factory)
+    events = run.done.stdout[run.done.stdout.index("\nsummary\n") :]
     for event in ("SIGKILL to the coordinator", "coordinator started again", "SIGSTOP", "SIGCONT", "SIGKILL to peer"):
         assert event in events, f"no {event!r} among the events:\n{events}"
-    header, _, row = [line for line in results.read_text().splitlines() if line.startswith("|")][-3:]
+    header, _, row = [line for line in run.results.read_text().splitlines() if line.startswith("|")][-3:]
     row = cells(header, row)
     steps = int(row["steps"])
-    logs = results.parent / "logs" / "chaos"
+    logs = run.logs / "chaos"
     records = [json.loads(line) for line in (logs / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(steps)), "the trainer did not finish every step"
     accumulation = load_config(logs / "run.toml").training.accumulation
@@ -237,27 +234,25 @@ def test_chaos_smoke_survives_killed_peers_a_dead_coordinator_and_a_frozen_peer(
     assert records[-1]["loss"] < records[0]["loss"], [r["loss"] for r in records]
 
 
-def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
+@about("averaging")
+def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(processes, tmp_path_factory):
     """The averaging rows' bytes per parameter come from the peers' step logs: at the tiny size, with
     int8 averaging, 2 replicas per stage, about 1 byte a value each way (more than 0, less than 4)
     in a step that averaged; with DiLoCo in phases of 3 steps, one average in the 3 steps, its trainer's
     paths pinned as the variant names it (`-pinned`: the run config its peers joined says so)."""
-    _, futures = smoke_runs
-    done, results = futures["averaging"].result()
-    assert done.returncode == 0, f"python -m benchmarks averaging exited {done.returncode}:\n{done.stderr[-3000:]}"
-    _, found, section = results.read_text().partition(f"## {AVERAGING_SECTION}\n")
-    header, _, *rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith("|")]
-    assert found and len(rows) == 2, results.read_text()
+    run = smoke("averaging", tmp_path_factory)
+    header, _, *rows = run.rows(AVERAGING_SECTION)
+    assert len(rows) == 2, run.results.read_text()
     every, diloco = (cells(header, row) for row in rows)
     assert every["averaging compression"] == diloco["averaging compression"] == "int8", rows
     assert (every["averaging mode"], diloco["averaging mode"]) == ("gradients", "diloco3-pinned"), rows
-    joined = load_config(results.parent / "logs" / "none-int8-diloco3-pinned" / "run.toml")
+    joined = load_config(run.logs / "none-int8-diloco3-pinned" / "run.toml")
     averaging = joined.averaging
     assert (averaging.mode, averaging.inner_steps, averaging.paths) == ("diloco", 3, "pinned"), averaging
     # Both runs validate on the same 16 held-out batches; the DiLoCo run's last pass, after its 3rd
     # step (an outer step), on the outer weights, and the row checks the goal on both losses.
     assert joined.training.eval_batches == 16
-    assert load_config(results.parent / "logs" / "local.toml").training.eval_batches == 16
+    assert load_config(run.logs / "local.toml").training.eval_batches == 16
     assert "final model's held-out loss (outer weights)" in diloco["notes"], diloco
     assert "on 16 batches" in every["notes"] and "training loss" in every["notes"], every
     assert "outer_lr 1, outer momentum 0;" in diloco["notes"] and "outer_lr" not in every["notes"], rows
@@ -268,28 +263,24 @@ def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(smoke_runs):
     assert 0 < float(diloco["averaging bytes / param / step"]) < min(per_step, 1.0), (diloco, every)
 
 
-def test_pipeline_smoke_puts_delayed_updates_beside_the_synchronous_run(smoke_runs):
+@about("pipeline")
+def test_pipeline_smoke_puts_delayed_updates_beside_the_synchronous_run(processes, tmp_path_factory):
     """With --delayed-updates each codec also trains with delayed updates, and a row of their own section
     gives both runs' efficiency and loss."""
-    _, futures = smoke_runs
-    done, results = futures["pipeline"].result()
-    assert done.returncode == 0, f"python -m benchmarks pipeline exited {done.returncode}:\n{done.stderr[-3000:]}"
-    _, found, section = results.read_text().partition(f"## {DELAYED_SECTION}\n")
-    rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith(ROW_START)]
-    assert found and len(rows) == 2, results.read_text()
+    run = smoke("pipeline", tmp_path_factory)
+    rows = [line for line in run.rows(DELAYED_SECTION) if line.startswith(ROW_START)]
+    assert len(rows) == 2, run.results.read_text()
     assert all(float(row.split("|")[10]) > 0 and float(row.split("|")[12]) > 0 for row in rows), rows
 
 
-def test_trainers_smoke_runs_its_swarm_with_the_averaging_it_names(smoke_runs):
+@about("trainers")
+def test_trainers_smoke_runs_its_swarm_with_the_averaging_it_names(processes, tmp_path_factory):
     """`--averaging int8/diloco3`: the coordinator's run config (the one the peers joined) averages with
     DiLoCo every 3 steps in int8, and the row says so."""
-    _, futures = smoke_runs
-    done, results = futures["trainers"].result()
-    assert done.returncode == 0, f"python -m benchmarks trainers exited {done.returncode}:\n{done.stderr[-3000:]}"
-    _, found, section = results.read_text().partition(f"## {TRAINERS_SECTION}\n")
-    rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith(ROW_START)]
-    assert found and len(rows) == 1 and "averaging int8/diloco3" in rows[0], results.read_text()
-    averaging = load_config(results.parent / "logs" / "run.toml").averaging
+    run = smoke("trainers", tmp_path_factory)
+    rows = [line for line in run.rows(TRAINERS_SECTION) if line.startswith(ROW_START)]
+    assert len(rows) == 1 and "averaging int8/diloco3" in rows[0], run.results.read_text()
+    averaging = load_config(run.logs / "run.toml").averaging
     assert (averaging.mode, averaging.inner_steps, averaging.compression) == ("diloco", 3, "int8"), averaging
 
 

@@ -9,29 +9,24 @@ a loopback address of its own (a machine of its own, unless two ids share one), 
 - A liar that answers spot checks honestly (it can tell them apart: they keep no gradient) and
   corrupts the input gradients of its training answers, on the last stage (where its loss stays
   honest) or in an inner stage's Backward. The training call it lies in cannot be told from an
-  unchecked one: it is outvoted and banned, each outvoted gradient is taken back and its microbatch
-  redone on an honest peer, and no microbatch is applied twice.
+  unchecked one: it is outvoted and banned, its outvoted gradient is taken back and its microbatch
+  redone on an honest peer: it applies no gradient, and every stage applies every microbatch once.
 - The same liar while the third machine of its stage is set aside by the trainer's router (its last
   call timed out): that machine is asked to settle the disagreement all the same, and the liar's
   answer never goes upstream (it once did: the check stayed undecided and its answer was used).
 - Two Sybil ids on one machine tell the same lie. Votes count once per host: they can neither
   confirm each other's answers nor outvote an honest peer, and two honest machines outvote them.
 
-For each: every step completes, the liars are banned where a majority of machines is honest, no
-honest peer is ever banned, and the final validation
-loss is at most 3% above the reference trainer's (`swarm train --local`, the same config and steps;
-an honest swarm of tiny.toml ends 20 steps a few percent below it, its shards being leased in another
-order, so the bound is one-sided: what an attack may not do is make the model worse). The runs are 12
-steps long, the Sybils' beside two honest machines 20: their lies before the ban cost 5% of the loss
-at step 12 (3.72 against 3.53), which the next steps win back.
+Each test asserts what the defence guarantees, read from what the processes write: the trainer's
+events and per-step counters (`--log-json`), the peers' step logs (`--log-steps`). The loss is only
+a sanity bound (finite, and lower at the last step than at the first): a final loss within 3% of the
+reference trainer's, asserted here before, was off by 5% on a loaded machine with no attack at all.
 """
 
 from __future__ import annotations
 
-import functools
-import json
+import math
 import re
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,52 +44,46 @@ from swarm.trainer import Membership, SwarmCaller
 from swarm.trainer.spotcheck import SpotCheckCaller, _answer
 from swarm.verify import SpotChecks, agree
 from swarm.wire import encode
-from tests.conftest import run_cli
+from tests.harness import ACCUMULATION, TINY, Swarm, peer_record
 from tests.test_liveness import route
-from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
 
 STEPS = 12
-SYBIL_STEPS = 20
-LOSS_RTOL = 0.03  # the final loss within 3% of an honest run's
+SYBIL_STEPS = 6
 
 
-@functools.cache
-def reference_loss(config_text: str, steps: int) -> float:
-    """The final validation loss of the single-process reference trainer (`swarm train --local`) on a
-    config after a number of steps, trained once for each for the whole test run."""
-    with tempfile.TemporaryDirectory() as tmp:
-        config, log = Path(tmp) / "run.toml", Path(tmp) / "reference.jsonl"
-        config.write_text(config_text)
-        result = run_cli("train", "--local", "--config", str(config), "--steps", str(steps), "--log-json", str(log))
-        assert result.returncode == 0, result.stderr[-3000:]
-        return json.loads(log.read_text().splitlines()[-1])["val_loss"]
-
-
-def checked_config(tmp: Path, fraction: float, stages: int = 2, extra: str = "") -> Path:
-    """tiny.toml cut into `stages`, `fraction` of the training calls checked, and `extra` lines appended."""
+def checked_config(tmp: Path, fraction: float, stages: int = 2, strikes: int = 2, micro_batch: int = 8) -> Path:
+    """tiny.toml cut into `stages`, `fraction` of the training calls checked, a peer banned at its
+    `strikes`-th outvoted answer, microbatches of `micro_batch` samples (of a global batch of 16)."""
     config = tmp / "run.toml"
     text = TINY.read_text()
-    assert text.count("[stages]\ncount = 2\n") == 1
+    for part in ("[stages]\ncount = 2\n", "micro_batch = 8\n"):
+        assert text.count(part) == 1, part
     text = text.replace("[stages]\ncount = 2\n", f"[stages]\ncount = {stages}\n")
-    config.write_text(text + f"\n[verify]\nfraction = {fraction}\n" + extra)
+    text = text.replace("micro_batch = 8\n", f"micro_batch = {micro_batch}\n")
+    config.write_text(text + f"\n[verify]\nfraction = {fraction}\nstrikes = {strikes}\n")
     return config
 
 
 def banned_peers(out: str) -> list[tuple[str, str]]:
+    """(peer, stage) of each spot-check ban in the trainer's output."""
     return re.findall(r"spot check: banned peer (\S+) of stage (\d+)", out)
 
 
-def assert_trained_like_the_reference(swarm: Swarm, reference: Path = TINY, steps: int = STEPS) -> list[dict]:
-    """Every step and microbatch done, and the final validation loss at most LOSS_RTOL above the
-    reference trainer's on `reference` (by default tiny.toml: the stage count and the checked fraction
-    that the tests here set do not enter a single process's training; 2 and 3 stages gave the same
-    loss to the last digit)."""
+def outvoted(out: str) -> list[tuple[str, str, str]]:
+    """(peer, stage, "training" or "check": the answer) of each outvote in the trainer's output."""
+    return re.findall(r"spot check: peer (\S+) of stage (\d+) outvoted on its (?:redone )?(training|check) answer", out)
+
+
+def assert_every_step_done(swarm: Swarm, steps: int = STEPS, accumulation: int = ACCUMULATION) -> list[dict]:
+    """The trainer's records once it exited cleanly: every step (0 .. steps - 1, none skipped or
+    repeated) and every microbatch done, and the model learning: every loss finite, the last step's
+    below the first's (5.57 at the seeded init, about 4.8 after 6 steps of tiny.toml). A sanity bound
+    only: what a defence guarantees is asserted from its own outputs."""
     records = swarm.finish_training()
-    accumulation = load_config(reference).training.accumulation
-    assert len(records) == steps and records[-1]["microbatches"] == steps * accumulation, records[-1:]
-    val, ref = records[-1]["val_loss"], reference_loss(reference.read_text(), steps)
-    print(f"final validation loss {val:.4f}, reference {ref:.4f}")
-    assert val <= ref * (1 + LOSS_RTOL), (val, ref, records[-1], what_happened(swarm))
+    assert [r["step"] for r in records] == list(range(steps)), records[-1:]
+    assert records[-1]["microbatches"] == steps * accumulation, records[-1]
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     return records
 
 
@@ -105,6 +94,10 @@ def what_happened(swarm: Swarm) -> list[str]:
 
 
 def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(processes, tmp_path):
+    """The liar answers its first training forwards honestly (a new peer's calls are all checked: it
+    passes its first checks), then lies where it predicts no check; it is outvoted and, at its second
+    strike, banned. With checks a peer could predict (a hash of the run's seed and plain microbatch
+    names) it was never outvoted: this test fails so."""
     config = checked_config(tmp_path, 0.5)
     swarm = Swarm(tmp_path, config)
     try:
@@ -120,9 +113,15 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(proce
         state = swarm.wait_online(["honest0a", "honest0b", "liar", "honest1"])
         liar = peer_record(state, "liar")["peer_id"]
         swarm.train(STEPS, 4, 20)
-        assert_trained_like_the_reference(swarm)
+        records = assert_every_step_done(swarm)
         out = swarm.trainer.output()
-        assert banned_peers(out) == [(liar, "0")], out[-3000:]  # the liar, and nobody else
+        happened = what_happened(swarm)
+        votes = outvoted(out)
+        # It lied where it was checked (as the training peer or as the checker: an inner stage's check
+        # is a training forward too), and only it was outvoted: twice at least, its strikes.
+        assert len(votes) >= 2 and {(peer, stage) for peer, stage, _ in votes} == {(liar, "0")}, happened
+        assert banned_peers(out) == [(liar, "0")], happened  # the liar, and nobody else
+        assert records[-1]["spot_bans"] == 1 and records[-1]["spot_disagreements"] >= 2, records[-1]
         liar_log = (tmp_path / "liar.log").read_text()
         assert "Traceback" not in liar_log
     finally:
@@ -133,14 +132,18 @@ def test_a_liar_that_knows_the_seed_lies_where_it_is_checked_and_is_banned(proce
 def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_gradients_taken_back(
     processes, tmp_path, where
 ):
+    """Every call is checked and one strike bans: the liar's first lie in a training answer is
+    outvoted, it is banned at once, its gradient is taken back and its microbatch redone on an honest
+    peer. Its own step log holds no microbatch: a gradient it was told to take back and kept would
+    show there (and, redone, on an honest peer too: applied twice).
+
+    One microbatch in flight, 8 a step: the lie (at the first or second training call the liar gets)
+    is resolved before the next microbatch is sent, so its stage cannot have stepped with it yet. With
+    4 in flight and 2 a step the stage often had (the other microbatch filled its batch): the gradient
+    was then kept and counted so (`outvoted_kept`, docs/trust.md), and nothing was taken back."""
     stages = 2 if where == "last stage" else 3
-    # Every call checked: each training answer the liar gives is compared (with half of them checked,
-    # a CI run saw one of its lies in 12 steps). The first step's verdicts (first calls to each peer,
-    # an arbiter's among them) held stage 0's step 6 s on a loaded CI machine: past the default norm
-    # wait of 5 s, so the liar's stage clipped step 0 by its own norm instead of the whole model's, and
-    # the run ended 3.2% above the reference's loss (twice, with the same 3.6417), for a reason that is
-    # not the liar's. The norm wait here is long enough for the verdicts.
-    config = checked_config(tmp_path, 1.0, stages, "\n[averaging]\nsync_timeout_s = 20.0\n")
+    config = checked_config(tmp_path, 1.0, stages, strikes=1, micro_batch=2)
+    steps = 4  # the lie comes in step 0
     swarm = Swarm(tmp_path, config)
     try:
         names = []
@@ -148,29 +151,31 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
             here = ["honest{k}a", "honest{k}b", "liar"] if k == 1 else [f"s{k}"]
             for name in here:
                 name = name.format(k=k)
-                # The honest peers of stage 1 are slower: the router sends the liar most of its calls.
-                extra = ("--corrupt-grads", "1.0") if name == "liar" else ("--delay-per-sample", "0.01")
+                # The honest peers of stage 1 are far slower: the router sends the liar most of its calls.
+                # At 0.01 s a sample (0.02 s a call) a loaded machine's noise outweighed the difference:
+                # the liar served no training call of the 4 steps, and nothing was there to catch.
+                extra = ("--corrupt-grads", "1.0") if name == "liar" else ("--delay-per-sample", "0.2")
                 swarm.add_peer(name, k, *(extra if k == 1 else ()))
                 names.append(name)
         state = swarm.wait_online(names)
         liar = peer_record(state, "liar")["peer_id"]
-        swarm.train(STEPS, 4, 20)
-        records = assert_trained_like_the_reference(swarm)
+        swarm.train(steps, 1, 20)
+        records = assert_every_step_done(swarm, steps, 8)
         out = swarm.trainer.output()
+        happened = what_happened(swarm)
         last = records[-1]
-        # Each of the liar's outvoted training answers: its gradient taken back and its microbatch redone
-        # on an honest peer, or, where the stage had stepped with it already, counted as kept and not
-        # redone (it would count twice). Two strikes ban it. How many training answers it gives is the
-        # router's to say (a replica whose step holds its work past the call's deadline gets few), so
-        # the test asks that its lies were caught, and that it is banned once it lied twice.
-        outvoted = last["outvoted_taken_back"] + last["outvoted_kept"]
-        assert outvoted >= 1, last
-        assert last["redone"] == last["outvoted_taken_back"], last
-        banned = banned_peers(out)
-        assert set(banned) <= {(liar, "1")}, out[-3000:]  # nobody else
-        assert outvoted < 2 or banned == [(liar, "1")], out[-3000:]
+        # Its lie was caught, and only its training answers were outvoted.
+        votes = outvoted(out)
+        assert votes and set(votes) == {(liar, "1", "training")}, happened
+        assert banned_peers(out) == [(liar, "1")], happened
+        # Each outvoted training answer taken back and its microbatch redone on an honest peer.
+        assert last["outvoted_taken_back"] == last["redone"] == len(votes), (last, happened)
+        assert last["outvoted_kept"] == 0 and last["spot_unresolved"] == 0, (last, happened)
+        # The liar applied no gradient, and every stage applied every microbatch once.
+        applied = [mb for step in swarm.applied() if step["peer"] == "liar" for mb in step["microbatches"]]
+        assert not applied, (applied, happened)
         ledger = count(records, swarm.applied(), stages=stages)
-        assert ledger.applied_twice == 0, ledger.summary()
+        assert ledger.lost == 0 and ledger.applied_twice == 0, ledger.summary()
     finally:
         swarm.close()
 
@@ -236,8 +241,8 @@ def test_a_liar_is_outvoted_by_a_third_machine_the_router_has_just_set_aside(pro
 @pytest.mark.parametrize("honest", [1, 2])
 def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(processes, tmp_path, honest):
     """Beside one honest machine the two Sybils are one voter against one: nobody can tell who is
-    right, the disagreements are counted and nobody is banned (the Sybils used to outvote the honest
-    peer and have it banned). Beside two honest machines they are outvoted and banned."""
+    right, each disagreement is counted as unsettled and nobody is banned (the Sybils used to outvote
+    the honest peer and have it banned). Beside two honest machines they are outvoted and banned."""
     config = checked_config(tmp_path, 0.5)
     swarm = Swarm(tmp_path, config)
     try:
@@ -249,19 +254,22 @@ def test_two_sybil_ids_on_one_machine_cannot_outvote_an_honest_peer(processes, t
             swarm.add_peer(name, 1, "--host", "127.0.0.99", "--corrupt-outputs", "0.5")
         state = swarm.wait_online(["s0", *honest_names, "sybil1", "sybil2"])
         ids = {name: peer_record(state, name)["peer_id"] for name in (*honest_names, "sybil1", "sybil2")}
-        steps = SYBIL_STEPS if honest == 2 else STEPS
-        swarm.train(steps, 4, 20)
-        if honest == 2:
-            records = assert_trained_like_the_reference(swarm, TINY, steps)
-        else:  # half the stage's answers are lies nobody can single out: no bound on the loss
-            records = swarm.finish_training()
-            assert len(records) == steps and records[-1]["microbatches"] == steps * ACCUMULATION
+        sybils = {ids["sybil1"], ids["sybil2"]}
+        # Both Sybils lie in every answer, and a peer that has not passed its first checks has every call
+        # of its stage checked: both were banned by step 2 of a 20-step run.
+        swarm.train(SYBIL_STEPS, 4, 20)
+        records = assert_every_step_done(swarm, SYBIL_STEPS)
         out = swarm.trainer.output()
-        banned = {peer for peer, _ in banned_peers(out)}
-        assert not banned & {ids[n] for n in honest_names}, out[-3000:]  # no honest peer, ever
+        happened = what_happened(swarm)
+        last = records[-1]
+        banned = [peer for peer, _ in banned_peers(out)]
+        assert not {peer for peer, _, _ in outvoted(out)} - sybils, happened  # no honest peer outvoted, ever
         if honest == 2:
-            assert banned == {ids["sybil1"], ids["sybil2"]}, out[-3000:]
+            assert sorted(banned) == sorted(sybils), happened
+            # Each of their outvoted training answers taken back (and redone), or counted as kept.
+            training = [v for v in outvoted(out) if v[2] == "training"]
+            assert last["outvoted_taken_back"] + last["outvoted_kept"] == len(training), (last, happened)
         else:
-            assert not banned and records[-1]["spot_disagreements"] >= 2, records[-1]
+            assert not banned and last["spot_unresolved"] == last["spot_disagreements"] >= 2, (last, happened)
     finally:
         swarm.close()

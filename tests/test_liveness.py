@@ -9,6 +9,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -63,21 +64,25 @@ def test_live_nodes_answer_a_ping_and_a_stopped_one_does_not(nodes):
     assert answering(a, []) == set()
 
 
-def test_a_node_not_ready_in_time_is_ended_with_its_p2pd_and_the_error_says_so(nodes):
+def test_a_node_not_ready_in_time_is_ended_with_its_p2pd_and_the_error_says_so(nodes, monkeypatch):
     """A node whose only initial peer is frozen (its p2pd stopped: it takes connections and never
     answers) waits out hivemind's ping timeout (3 s) before it is ready. With a shorter startup
     deadline, make_dht ends each attempt, its DHT process and the p2pd it started, and then says
     so instead of waiting; so does `started_dht` (the nodes that are no member's)."""
     frozen = nodes[2]
     (daemon,) = child_pids(frozen.pid)
-    p2pds_before, children_before = set(p2pd_pids()), set(child_pids(os.getpid()))
+    # The p2pds this test starts inherit a mark of its own: those of other tests running beside it
+    # (pytest -n) are not its to count.
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(P2PD_MARK, mark)
+    children_before = set(child_pids(os.getpid()))
 
     def nothing_left() -> None:
         assert set(child_pids(os.getpid())) <= children_before, "a stuck node's DHT process outlived it"
         deadline = time.monotonic() + 5
-        while set(p2pd_pids()) - p2pds_before and time.monotonic() < deadline:
+        while p2pd_pids(mark) and time.monotonic() < deadline:
             time.sleep(0.1)  # an orphaned p2pd is reaped by init, not by us
-        assert set(p2pd_pids()) <= p2pds_before, "a stuck node's p2pd outlived it"
+        assert not p2pd_pids(mark), "a stuck node's p2pd outlived it"
 
     os.kill(daemon, signal.SIGSTOP)
     try:
@@ -101,9 +106,24 @@ def child_pids(parent: int) -> list[int]:
     return [pid for pid, _, ppid, _ in processes() if ppid == parent]
 
 
-def p2pd_pids() -> list[int]:
-    """Live p2pd daemons on this machine."""
-    return [pid for pid, state, _, _ in processes() if state != "Z" and _command(pid) == "p2pd"]
+P2PD_MARK = "SWARM_TEST_P2PD_MARK"
+
+
+def p2pd_pids(mark: str) -> list[int]:
+    """Live p2pd daemons on this machine started with `mark` in their environment's P2PD_MARK."""
+    tag = f"{P2PD_MARK}={mark}".encode()
+    return [
+        pid
+        for pid, state, _, _ in processes()
+        if state != "Z" and _command(pid) == "p2pd" and tag in _environment(pid).split(b"\0")
+    ]
+
+
+def _environment(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
 
 
 def _command(pid: int) -> str:
