@@ -1,4 +1,4 @@
-"""DiLoCo inside a stage (`[averaging] mode = "diloco"`, peer/averaging.py): real replicas of stage 1,
+"""DiLoCo inside a stage (`[averaging] mode = "diloco"`, peer/diloco.py): real replicas of stage 1,
 each on a DHT node of its own, driven step by step in one process: inner steps apart, an outer step
 that leaves them bitwise equal at the value DiLoCo's update gives, a joiner mid-phase that takes the
 outer weights and momentum, an outer step that waits for a live replica one step behind (it served none

@@ -1,4 +1,4 @@
-"""PowerSGD averaging (`[averaging] compression = "powersgd"`, peer/averaging.py CappedPowerSGDAverager):
+"""PowerSGD averaging (`[averaging] compression = "powersgd"`, peer/hivemind_compat.py CappedPowerSGDAverager):
 real replicas of stage 1, each on a DHT node of its own, driven step by step in one process. A mean
 gradient of low rank comes through the two rank-r factors whole, the replicas end every round with
 the same bits, the bytes are a fraction of the uncompressed all-reduce's, and what a round leaves
