@@ -777,7 +777,7 @@ def test_a_round_closes_once_every_live_replica_joined_not_at_the_end_of_matchma
     size, hivemind's leader waits out its whole matchmaking time at every step."""
     from tests.test_diloco import take_step, two_replicas  # it imports this module
 
-    extra = "\n[averaging]\nmatchmaking_time_s = 10.0\nrequest_timeout_s = 0.3\nsync_timeout_s = 1.0\n"
+    extra = "\n[averaging]\nmatchmaking_time_s = 10.0\nrequest_timeout_s = 1.0\nsync_timeout_s = 1.0\n"
     _, run = config_with(tmp_path, extra + "averaging_timeout_s = 60.0\n")
     stage = StageOne(run)
     try:

@@ -121,9 +121,6 @@ def smoke_run(name: str, tmp: Path) -> Smoke:
     results = tmp / "results.md"
     env = {k: v for k, v in os.environ.items() if k != "USE_LEGACY_BFLOAT16"}  # as a new shell has it
     env["PYTHONUNBUFFERED"] = "1"
-    # One torch thread in every process it starts: the suite runs two workers per core, and a process
-    # training with torch's two threads on such cores spins (2 steps of tiny.toml: 168 s, 8.6 s with one).
-    env["OMP_NUM_THREADS"] = "1"
     options = [arg.format(tmp=tmp) for arg in TINY[name]]
     args = [sys.executable, "-m", "benchmarks", "--results", str(results), name, *options]
     before = digest(SHIPPED)
