@@ -121,6 +121,9 @@ def smoke_run(name: str, tmp: Path) -> Smoke:
     results = tmp / "results.md"
     env = {k: v for k, v in os.environ.items() if k != "USE_LEGACY_BFLOAT16"}  # as a new shell has it
     env["PYTHONUNBUFFERED"] = "1"
+    # One torch thread in every process it starts: a process training with torch's thread a core spins
+    # on cores its swarm's other processes share (2 steps of tiny.toml: 168 s, 8.6 s with one).
+    env["OMP_NUM_THREADS"] = "1"
     options = [arg.format(tmp=tmp) for arg in TINY[name]]
     args = [sys.executable, "-m", "benchmarks", "--results", str(results), name, *options]
     before = digest(SHIPPED)
