@@ -47,8 +47,8 @@ def assert_no_stage_moved(swarm: Swarm, tmp: Path, names: list[str]) -> None:
 
 
 def test_a_trainer_naming_a_far_step_is_refused_and_moves_no_stage(processes, tmp_path):
-    """The hostile trainer starts first and keeps asking all through the honest trainer's run: every
-    call refused. Without the refusal its first call took each stage to step 2^31 - 2."""
+    """The hostile trainer starts once the honest one has taken 2 steps and keeps asking: every call
+    refused. Without the refusal its first call took each stage to step 2^31 - 2."""
     swarm = Swarm(tmp_path)
     hostile = None
     try:
@@ -56,12 +56,13 @@ def test_a_trainer_naming_a_far_step_is_refused_and_moves_no_stage(processes, tm
         swarm.add_peer("p0", 0)
         swarm.add_peer("p1", 1)
         swarm.wait_online(names)
+        swarm.train(STEPS, 4, 20)
+        swarm.wait_steps(2)
         hostile = child(
             ["train", "--coordinator", swarm.url, "--steps", "2", "--start-step", str(FAR), "--call-timeout", "5"],
             tmp_path / "hostile.log",
         )
         wait_for_output(hostile, r"failed \(FAILED_PRECONDITION\)", timeout=120)
-        swarm.train(STEPS, 4, 20)
         assert_every_step_done(swarm, STEPS)
         assert hostile.popen.poll() is None, hostile.output()[-3000:]  # still trying: every call refused
         assert_no_stage_moved(swarm, tmp_path, names)
