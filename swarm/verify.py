@@ -191,11 +191,18 @@ class SpotChecks:
         passed = self.stages[stage].passed
         return sampled(self.key, stage, name, self.fraction) or any(passed.get(p, 0) < self.first_checks for p in peers)
 
-    def checker(self, stage: int, peers: Collection[str]) -> str | None:
-        """The peer to answer the check: the one with the fewest passed checks (ties by id: repeatable)."""
+    def checker(self, stage: int, peers: Collection[str], name: str = "") -> str | None:
+        """The peer to answer the check of call `name`: the one with the fewest passed checks, ties
+        broken by a keyed hash of the call and the peer. Broken by id, the peer whose id sorts first
+        could answer the check of every call of a stage of three and never a training call: a liar
+        with such an id was never caught lying in one."""
         candidates = [p for p in peers if p not in self.banned]
         passed = self.stages[stage].passed
-        return min(candidates, key=lambda p: (passed.get(p, 0), p), default=None)
+
+        def draw(peer: str) -> bytes:
+            return hmac.new(self.key, f"checker/{stage}/{name}/{peer}".encode(), hashlib.sha256).digest()
+
+        return min(candidates, key=lambda p: (passed.get(p, 0), draw(p)), default=None)
 
     def release(self, now: float | None = None) -> list[str]:
         """End the bans that are due (see the module docstring); returns those peers."""

@@ -102,17 +102,40 @@ def test_every_peer_is_checked_first_then_only_the_sampled_calls():
     spot = SpotChecks(1, fraction=0.0001, strikes=2, first_checks=2)
     peers = ["a", "b", "c"]
     x = hidden()
-    checked = []
+    checked, roles = [], []
     for i in range(40):
         if spot.due(0, f"{i}.0", peers):
-            checker = spot.checker(0, peers)
+            checker = spot.checker(0, peers, f"{i}.0")
             primary = next(p for p in peers if p != checker)
             spot.judge(0, [(primary, x), (checker, x.clone())], 1e-3)
-            checked.append(checker)
-    assert sorted(set(checked)) == peers  # the least checked peer answers: everyone gets its turn
+            checked.append(i)
+            roles += [primary, checker]
+    # The least checked peer answers each check: every peer is checked twice (first_checks) at least.
+    assert all(roles.count(p) >= 2 for p in peers), roles
     assert len(checked) <= 2 * len(peers)  # then only a 0.01% sample: none of the other calls
     assert spot.checks == len(checked) and spot.disagreements == 0
     assert not spot.due(0, "0.0", ["a"])  # one peer: nobody to compare with
+
+
+def test_no_peer_is_always_the_checker_of_a_stage_of_three():
+    """An inner stage of three, every call checked: a microbatch's forward goes to the fastest peer that
+    is not the checker, its backward to the same peer, each checked by the peer with the fewest passes.
+    With ties broken by id, "a" (the fastest, its id first) answered every forward's check and no
+    training call: a liar so placed was never caught lying (a CI run saw 64 checks and no lie). Ties
+    are broken by a keyed hash of the call: "a" gets training calls too."""
+    spot = SpotChecks(1, fraction=1.0, strikes=1)
+    peers, x = ["a", "b", "c"], hidden()  # fastest first
+    trained = {p: 0 for p in peers}
+    for i in range(32):
+        checker = spot.checker(0, peers, f"{i}.0")
+        trainer = next(p for p in peers if p != checker)
+        spot.judge(0, [(trainer, x), (checker, x.clone())], 1e-3)
+        checker = spot.checker(0, [p for p in peers if p != trainer], f"{i}.0/backward")
+        spot.judge(0, [(trainer, x), (checker, x.clone())], 1e-3)
+        trained[trainer] += 1
+    assert trained["a"] >= 4, trained
+    assert spot.checker(0, peers, "7.0") == spot.checker(0, peers, "7.0")  # repeatable for one trainer
+    assert spot.checks == 64 and spot.disagreements == 0
 
 
 def test_an_outvoted_peer_is_banned_after_its_strikes_and_the_others_never():

@@ -206,7 +206,7 @@ class Referee:
             stage,
             samples,
             ask,
-            prefer=self.spot.checker(stage, candidates),
+            prefer=self.spot.checker(stage, candidates, name),
             avoid=beside(prefer) if prefer else (),
             timed=False,
         )
@@ -229,7 +229,7 @@ class Referee:
                 stage,
                 samples,
                 ask,
-                prefer=self.spot.checker(stage, others),
+                prefer=self.spot.checker(stage, others, name),
                 avoid={p for p in routed if host(p) in voted},
                 timed=False,
                 strict=True,
