@@ -54,13 +54,17 @@ class Proc:
             self.ready_file.unlink(missing_ok=True)  # an earlier run's, in a reused folder
             args = [*args, "--ready-file", str(self.ready_file)]
         self._log = open(log, "w")  # noqa: SIM115 (closed in close())
-        self.popen = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", "swarm.cli", *args],
+        self.popen = self.spawn(args, cwd, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, prefix or [])
+
+    def spawn(self, args: list[str], cwd: Path | None, env: dict[str, str], prefix: list[str]) -> subprocess.Popen:
+        """Start `python -m swarm.cli ARGS` (under `prefix`) in a session of its own, output to the log."""
+        return subprocess.Popen(
+            [*prefix, sys.executable, "-m", "swarm.cli", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=cwd,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env=env,
             start_new_session=True,
         )
 
@@ -144,13 +148,14 @@ def stop_all(procs: list[Proc], timeout: float = 15.0) -> None:
         p.close()
 
 
-def coordinator(config: Path, log: Path, *extra: str, port: int = 0, **proc_options) -> Proc:
+def coordinator(config: Path, log: Path, *extra: str, port: int = 0, kind: type[Proc] = Proc, **proc_options) -> Proc:
     """`swarm coordinator` of `config` on `port` (0: any free port, which its ready file names) and
     any free DHT port, its state (history, DHT identity) next to its log, with a ready file. Options
-    in `extra` win over these (argparse keeps the last); `proc_options` go to Proc."""
+    in `extra` win over these (argparse keeps the last); `proc_options` go to `kind` (Proc or a
+    subclass that starts it otherwise)."""
     state = ["--state-dir", str(log.with_suffix(".state"))]
     args = ["coordinator", "--config", str(config), "--port", str(port), "--dht-port", "0", *state, *extra]
-    return Proc(args, log, ready=True, **proc_options)
+    return kind(args, log, ready=True, **proc_options)
 
 
 def start_coordinator(

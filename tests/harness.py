@@ -30,6 +30,7 @@ import pytest
 from swarm.children import Proc, http, stop_all
 from swarm.children import processes as process_table
 from tests.processes import ROOT, child, start_coordinator, wait_for_state
+from tests.zygote import Zygote, zygote
 
 TINY = ROOT / "configs" / "tiny.toml"
 ACCUMULATION = 2  # tiny.toml: global_batch 16 / micro_batch 8
@@ -63,13 +64,19 @@ def command_name(pid: int) -> str:
 
 
 def own_children() -> set[int]:
-    """Process groups this process started (`start_new_session`) that are still running, but the
-    KEPT ones."""
-    me = os.getpid()
+    """Process groups this process started (`start_new_session`), itself or through its zygote
+    (tests/zygote.py), that are still running; neither the zygote nor the KEPT ones."""
+    me, parents = os.getpid(), {os.getpid()}
+    if zygote.cache_info().currsize:
+        parents.add(zygote().pid())
     return {
         pid
         for pid, state, ppid, group in process_table()
-        if ppid == me and group == pid and state != "Z" and command_name(pid) not in {name[:15] for name in KEPT}
+        if ppid in parents
+        and group == pid
+        and state != "Z"
+        and pid not in parents - {me}
+        and command_name(pid) not in {name[:15] for name in KEPT}
     }
 
 
@@ -156,6 +163,7 @@ def no_processes(item: pytest.Item) -> Iterator[None]:
 
     execute_child = subprocess.Popen._execute_child
     start = multiprocessing.process.BaseProcess.start
+    spawn = Zygote.spawn
 
     def guarded_execute_child(self, args, *rest, **kwargs):
         refuse(f"a process ({args if isinstance(args, str) else ' '.join(map(str, args))[:200]})")
@@ -163,13 +171,18 @@ def no_processes(item: pytest.Item) -> Iterator[None]:
     def guarded_start(self):
         refuse(f"a child process ({type(self).__name__})")
 
+    def guarded_spawn(self, args, *rest, **kwargs):
+        refuse(f"a process (swarm {' '.join(args)[:200]})")
+
     subprocess.Popen._execute_child = guarded_execute_child
     multiprocessing.process.BaseProcess.start = guarded_start
+    Zygote.spawn = guarded_spawn
     try:
         yield
     finally:
         subprocess.Popen._execute_child = execute_child
         multiprocessing.process.BaseProcess.start = start
+        Zygote.spawn = spawn
 
 
 @pytest.hookimpl(wrapper=True)

@@ -16,16 +16,27 @@ from swarm.client import StageClient
 from swarm.join import join_dht, join_run
 from swarm.net import free_port
 from swarm.ready import PeerReady, wait_ready
+from tests.zygote import zygote
 
 __all__ = ["Proc", "free_port", "group_members", "http", "survivors"]  # with the helpers below
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class ForkedProc(Proc):
+    """A Proc forked from this process's zygote (tests/zygote.py), which has imported torch and
+    hivemind once; under a prefix (`ip netns exec`), a new interpreter as usual."""
+
+    def spawn(self, args: list[str], cwd: Path | None, env: dict[str, str], prefix: list[str]):
+        if prefix:
+            return super().spawn(args, cwd, env, prefix)
+        return zygote().spawn(args, self.log_path, cwd or ROOT, env)
+
+
 def child(args: list[str], log: Path, ready: bool = False) -> Proc:
     """`swarm ARGS`, run from the repository. Peers keep their checkpoints next to the test's logs:
     never in the user's cache, where a later test of the same run id would resume from them."""
-    return Proc(args, log, ready=ready, cwd=ROOT, env={"SWARM_CHECKPOINT_DIR": str(log.parent / "checkpoints")})
+    return ForkedProc(args, log, ready=ready, cwd=ROOT, env={"SWARM_CHECKPOINT_DIR": str(log.parent / "checkpoints")})
 
 
 def start_peer(config: Path | str, stage: int, tmp: Path, *extra: str) -> tuple[Proc, str]:
@@ -46,7 +57,7 @@ def start_peer(config: Path | str, stage: int, tmp: Path, *extra: str) -> tuple[
 def start_coordinator(config: Path, log: Path, *extra: str, port: int = 0) -> tuple[Proc, str]:
     """A coordinator on `port` (default: any free one) with its state next to its log; returns it and
     its base URL once it serves. Options in `extra` win over these (argparse keeps the last)."""
-    return children.start_coordinator(config, log, *extra, port=port, cwd=ROOT)
+    return children.start_coordinator(config, log, *extra, port=port, cwd=ROOT, kind=ForkedProc)
 
 
 def wait_for_output(proc: Proc, pattern: str, timeout: float = 60) -> re.Match:

@@ -6,7 +6,11 @@ import os
 
 import torch
 
-from tests.harness import command_name, end_groups, own_children
+from swarm.children import http
+from swarm.children import processes as process_table
+from tests.harness import TINY, command_name, end_groups, own_children
+from tests.processes import child, start_coordinator
+from tests.zygote import zygote
 
 
 def test_ending_a_tests_leftovers_spares_torchs_shared_memory_manager(processes):
@@ -20,3 +24,28 @@ def test_ending_a_tests_leftovers_spares_torchs_shared_memory_manager(processes)
     assert all(command_name(int(pid)) for pid in managers), "torch's shared-memory manager was ended"
     del shared
     torch.zeros(4).share_memory_()  # with its manager gone, this (or the free above) aborts the process
+
+
+def test_a_command_forked_from_the_zygote_runs_as_a_new_interpreter_would(processes, tmp_path):
+    """tests/zygote.py: a `swarm` command forked from the zygote (which imported torch and hivemind
+    once) writes to its log, exits with the command's status, and leads a session of its own."""
+    bad = child(["peer", "--stage", "nope"], tmp_path / "bad.log")
+    assert bad.popen.wait(60) == 2, bad.output()
+    assert "argument --stage: 'nope' is neither" in bad.output(), bad.output()
+    assert process_row(bad.popen.pid) is None  # reaped by the zygote: no zombie left
+
+    proc, url = start_coordinator(TINY, tmp_path / "coordinator.log")
+    pid, z = proc.popen.pid, zygote().pid()
+    _, state, ppid, group = process_row(pid)
+    assert (ppid, group) == (z, pid), (ppid, group, z)  # the zygote's child, its own session's leader
+    assert http().get(f"{url}/api/v1/state").status_code == 200
+    # A test's leftover: ended with the others, and the zygote never is.
+    assert pid in own_children() and z not in own_children()
+    end_groups({pid})
+    assert proc.popen.wait(15) is not None and process_row(pid) is None
+    assert process_row(z) is not None
+
+
+def process_row(pid: int) -> tuple[int, str, int, int] | None:
+    """(pid, state, ppid, group) of a live process, None when it is gone (or a zombie)."""
+    return next((row for row in process_table() if row[0] == pid and row[1] != "Z"), None)

@@ -1,0 +1,192 @@
+"""`swarm` commands for the tests without importing torch and hivemind for each one.
+
+Every peer, coordinator and trainer a test starts is `python -m swarm.cli ...`, and its imports alone
+took about 3 s of CPU (torch, hivemind and the scipy it pulls in): a suite that starts hundreds of
+them spent a large part of two cores on imports. A zygote process imports them once; each command is
+a fork of it that becomes `python -m swarm.cli ARGS` (runpy, as `-m` does), in a session of its own,
+with its environment, working folder and log, and exits as that command would (atexit handlers,
+exit status, signals). The zygote holds no thread when it forks (checked), so the children are as
+clean as a new interpreter. Commands that must run under a prefix (`ip netns exec`) and the tests of
+the command line's own start-up (`run_cli`) still start a new interpreter.
+
+Protocol, one JSON object a line: the test process writes {"args", "cwd", "env", "log"}; the zygote
+answers {"started": pid} and later, for each child, {"exited": pid, "code": returncode}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+import os
+import queue
+import random
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy
+
+PRELOAD = ("torch", "hivemind", "swarm.cli", "peer.daemon", "coordinator.app", "swarm.trainer.loop")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- in the zygote ---------------------------------------------------------------------------------
+
+
+def become(request: dict) -> None:
+    """In a fresh fork: become `python -m swarm.cli ARGS` and never return (SystemExit unwinds the
+    zygote's loop, so the interpreter exits as that command's would)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    for stream in (sys.stdout, sys.stderr):  # PYTHONUNBUFFERED, as the command's environment asks
+        stream.reconfigure(write_through=True, line_buffering=True)
+    # A new interpreter seeds these from the OS: forks of one zygote would all draw the same numbers
+    # (peers' randomised timing, jitter, spot checks) without this. torch's default seed is fixed anyway.
+    random.seed()
+    numpy.random.seed()
+    sys.argv = [str(ROOT / "swarm" / "cli.py"), *request["args"]]
+    sys.modules.pop("swarm.cli", None)  # `-m` runs the module as __main__, not the imported copy
+    runpy.run_module("swarm.cli", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+
+def answer(message: dict) -> None:
+    # os.write on the pipe: one short line is written whole, also from the SIGCHLD handler.
+    os.write(1, (json.dumps(message) + "\n").encode())
+
+
+def reap(signum, frame) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        answer({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def serve() -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if threading.active_count() != 1:
+        raise SystemExit(f"zygote: {threading.active_count()} threads after the imports; a fork would be unsafe")
+    signal.signal(signal.SIGCHLD, reap)
+    answer({"ready": os.getpid()})
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            become(request)
+        answer({"started": pid})
+
+
+# -- in the test process ---------------------------------------------------------------------------
+
+
+class Forked:
+    """A child of the zygote, with the part of `subprocess.Popen` that swarm.children.Proc uses."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]):
+        self.zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            with self.zygote.changed:
+                self.zygote.changed.wait(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+
+class Zygote:
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        self.exits: dict[int, int] = {}
+        self.started: queue.Queue = queue.Queue()
+        self.changed = threading.Condition()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, name="zygote", daemon=True).start()
+        ready = self.started.get(timeout=300)
+        if ready is None:
+            raise RuntimeError("the zygote exited before it was ready")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            if "exited" in message:
+                with self.changed:
+                    self.exits[message["exited"]] = message["code"]
+                    self.changed.notify_all()
+            else:
+                self.started.put(message.get("started", message.get("ready")))
+        self.started.put(None)
+        with self.changed:
+            self.changed.notify_all()
+
+    def exit_code(self, pid: int) -> int | None:
+        return self.exits.get(pid)
+
+    def spawn(self, args: list[str], log: Path, cwd: Path, env: dict[str, str]) -> Forked:
+        with self.lock:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the zygote exited ({self.proc.returncode}); no command can be started")
+            self.proc.stdin.write(
+                (json.dumps({"args": args, "cwd": str(cwd), "env": env, "log": str(log)}) + "\n").encode()
+            )
+            self.proc.stdin.flush()
+            pid = self.started.get(timeout=60)
+        if pid is None:
+            raise RuntimeError("the zygote exited while starting a command")
+        return Forked(self, pid, args)
+
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@functools.cache
+def zygote() -> Zygote:
+    """This process's zygote, started at first use and ended with the process."""
+    z = Zygote()
+    import atexit
+
+    atexit.register(lambda: (z.proc.kill(), z.proc.wait()))
+    return z
+
+
+if __name__ == "__main__":
+    serve()
