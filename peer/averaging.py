@@ -40,7 +40,15 @@ from hivemind.p2p import PeerID
 
 from peer.checkpoint import Checkpoint
 from peer.contribution import drop_grads, grads_finite, scale_grads
-from peer.hivemind_compat import TrackerView, adopt_local_state, end_epoch_now, offer, set_epoch, uncount
+from peer.hivemind_compat import (
+    TrackerView,
+    adopt_local_state,
+    drop_unbegun_round,
+    end_epoch_now,
+    offer,
+    set_epoch,
+    uncount,
+)
 from peer.norm_exchange import NormExchange
 from peer.replica_check import ReplicaCheck, weights_digest
 from peer.rounds import StepRound, live_partners
@@ -253,6 +261,7 @@ class SwarmUpdater:
         others = self._state_holders() - {self.opt.dht.peer_id.to_bytes()}
         digest = weights_digest(self.held)
         if others:
+            drop_unbegun_round(self.opt)
             self.opt.load_state_from_peers()
             self._held_changed()
             self.loaded_at = self.epoch

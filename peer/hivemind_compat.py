@@ -11,6 +11,7 @@ all-reduce these averagers run, and its codecs, are peer/allreduce.py's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -313,6 +314,20 @@ def end_epoch_now(tracker: ProgressTracker) -> None:
     estimate is set to now."""
     with tracker.pause_updates():
         tracker.global_progress.eta_next_epoch = get_dht_time()
+
+
+def drop_unbegun_round(opt: hivemind.Optimizer) -> None:
+    """Cancel the optimizer's scheduled gradient round if it has not begun (its all-reduce not let
+    through yet). hivemind's load_state_from_peers would tag along with it at zero weight and wait
+    for it up to averaging_timeout_s: a replica that takes the stage's state has nothing to add to
+    it, and a round that finds no group (a peer that moved into a stage scheduled one the others
+    never joined) held that peer's calls for 100 s. A round already under way is left to finish."""
+    control = opt.scheduled_grads
+    if control is None or control.triggered or control.done():
+        return
+    with contextlib.suppress(InvalidStateError):  # it finished meanwhile
+        control.cancel()
+    opt.scheduled_grads = None
 
 
 def spent_round(opt: hivemind.Optimizer):

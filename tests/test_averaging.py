@@ -617,6 +617,29 @@ def test_a_partner_killed_before_a_step_stays_out_of_hiveminds_count_until_its_r
         assert a.opt.tracker.global_progress.num_peers <= 1, a.opt.tracker.global_progress
 
 
+def test_a_replica_taking_the_stages_state_does_not_wait_out_the_round_it_had_scheduled(processes, tmp_path):
+    """Replica b has a gradient round scheduled (hivemind's Optimizer schedules a step's round ahead
+    of it) that nobody joins, and takes the stage's state from a, as a peer that moved into the stage
+    or missed its steps does. hivemind's load_state_from_peers tags along with such a round at zero
+    weight and waits for it, up to averaging_timeout_s (120 s here): a peer that moved into the stage
+    of a 2 x 2 swarm held its calls for 100 s so. A round that has not begun is dropped instead."""
+    _, run = config_with(tmp_path, FAST_AVERAGING + "averaging_timeout_s = 120.0\n")
+    stage = StageOne(run)
+    try:
+        stage.replica(stage.node(stage=1))  # a: holds the stage's state, never averages
+        b = stage.replica(stage.node(stage=1))
+        b.opt.scheduled_grads = b.opt.grad_averager.schedule_step(
+            get_dht_time() + run.averaging.matchmaking_time_s, timeout=run.averaging.averaging_timeout_s
+        )
+        started = time.monotonic()
+        b.load_state()
+        elapsed = time.monotonic() - started
+        assert elapsed < 20, f"taking the stage's state took {elapsed:.1f} s"
+        assert b.opt.scheduled_grads is None
+    finally:
+        stage.close()
+
+
 @pytest.mark.parametrize("served", ["half", "none"])
 def test_a_step_whose_missing_samples_died_with_a_partner_is_taken_once_the_other_stages_are_done(
     processes, tmp_path, served
