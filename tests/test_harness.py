@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 
 import torch
+from hivemind.utils.mpfuture import MPFuture
 
 from swarm.children import http
 from swarm.children import processes as process_table
 from tests.harness import TINY, command_name, end_groups, own_children
 from tests.processes import child, start_coordinator
-from tests.zygote import zygote
+from tests.zygote import process_locks, renew, zygote
 
 
 def test_ending_a_tests_leftovers_spares_torchs_shared_memory_manager(processes):
@@ -49,3 +50,23 @@ def test_a_command_forked_from_the_zygote_runs_as_a_new_interpreter_would(proces
 def process_row(pid: int) -> tuple[int, str, int, int] | None:
     """(pid, state, ppid, group) of a live process, None when it is gone (or a zombie)."""
     return next((row for row in process_table() if row[0] == pid and row[1] != "Z"), None)
+
+
+def test_a_fork_of_the_zygote_gets_hiveminds_process_wide_locks_of_its_own(processes):
+    """hivemind makes multiprocessing locks at import (MPFuture's update lock and others). The zygote
+    finds them and each command forked from it makes its own: shared, a peer killed while it held one
+    left every later command's DHT node waiting for it (their coordinators never started). Here the
+    test process holds its update lock while a fork, renewing as the zygote's children do, takes its own."""
+    locks = process_locks()
+    names = {(getattr(owner, "__qualname__", ""), attribute) for owner, attribute in locks}
+    assert {("MPFuture", "_update_lock"), ("MPFuture", "_initialization_lock"), ("SharedBytes", "_lock")} <= names
+    with MPFuture._update_lock:
+        pid = os.fork()
+        if pid == 0:  # the fork: nothing here may raise into pytest
+            try:
+                renew(locks)
+                os._exit(0 if MPFuture._update_lock.acquire(timeout=3) else 1)
+            finally:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the fork waited for a lock this process held"

@@ -19,6 +19,8 @@ import contextlib
 import functools
 import importlib
 import json
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import queue
 import random
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy
@@ -39,9 +42,57 @@ ROOT = Path(__file__).resolve().parent.parent
 # -- in the zygote ---------------------------------------------------------------------------------
 
 
-def become(request: dict) -> None:
+# What a module may create at import and share with every process forked from the one that imported
+# it, and how a fork makes one of its own.
+RENEWED = {
+    multiprocessing.synchronize.Lock: multiprocessing.Lock,
+    multiprocessing.synchronize.RLock: multiprocessing.RLock,
+    multiprocessing.synchronize.Event: multiprocessing.Event,
+}
+SHARED = (multiprocessing.synchronize.SemLock, multiprocessing.synchronize.Event, multiprocessing.synchronize.Condition)
+
+
+def process_locks() -> list[tuple[object, str]]:
+    """(owner, attribute) of every multiprocessing lock or event that an imported module holds, in
+    itself or in a class of its own: hivemind makes several at import (MPFuture's update lock,
+    SharedBytes', its async executor's). Made once in the zygote, one lock would serve every command
+    forked from it: a peer killed while it held MPFuture's update lock left the next commands' DHT
+    nodes waiting for it for ever (their coordinators never started)."""
+    found = []
+    with warnings.catch_warnings():  # reading a deprecated module attribute (torch's) warns
+        warnings.simplefilter("ignore")
+        for module in list(sys.modules.values()):
+            found += _locks_of(module)
+    return found
+
+
+def _locks_of(module) -> list[tuple[object, str]]:
+    """`process_locks` of one module."""
+    try:
+        names = vars(module)
+    except TypeError:
+        return []
+    found = []
+    owners = [module, *(v for v in names.values() if isinstance(v, type) and v.__module__ == module.__name__)]
+    for owner in owners:
+        for attribute, value in list(vars(owner).items()):
+            if isinstance(value, SHARED):
+                if type(value) not in RENEWED:
+                    raise SystemExit(f"zygote: {owner!r}.{attribute} is a {type(value).__name__} it cannot renew")
+                found.append((owner, attribute))
+    return found
+
+
+def renew(locks: list[tuple[object, str]]) -> None:
+    """In a fork: a lock or event of its own in place of each of `locks` (`process_locks`)."""
+    for owner, attribute in locks:
+        setattr(owner, attribute, RENEWED[type(getattr(owner, attribute))]())
+
+
+def become(request: dict, locks: list[tuple[object, str]]) -> None:
     """In a fresh fork: become `python -m swarm.cli ARGS` and never return (SystemExit unwinds the
     zygote's loop, so the interpreter exits as that command's would)."""
+    renew(locks)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()
     os.chdir(request["cwd"])
@@ -87,13 +138,14 @@ def serve() -> None:
         importlib.import_module(name)
     if threading.active_count() != 1:
         raise SystemExit(f"zygote: {threading.active_count()} threads after the imports; a fork would be unsafe")
+    locks = process_locks()
     signal.signal(signal.SIGCHLD, reap)
     answer({"ready": os.getpid()})
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            become(request)
+            become(request, locks)
         answer({"started": pid})
 
 
