@@ -252,6 +252,9 @@ def test_a_call_held_while_its_stage_steps_is_not_cut_off(stage1):
     assert pipe.failures == 0
 
 
+MOVE = r"moving from stage (\d) to stage (\d)"
+
+
 def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(processes, tmp_path):
     """Averaging and rebalancing on. After b1 is killed: a1 steps alone at once (hivemind's tracker
     lists b1 until its record expires, and an all-reduce looking for it would wait averaging_timeout_s,
@@ -270,6 +273,9 @@ def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(processes, tmp_pat
         swarm.train(steps=steps, inflight=4, timeout=60)
         swarm.wait_steps(6)
         victim = swarm.peers["b1"]
+        # Moves before the loss do not count: on a loaded machine the peers' measured capacities and
+        # start times differ, and the swarm may rebalance before it is whole.
+        logged = {n: len(swarm.peers[n].output()) for n in names}
         victim.stop(signal.SIGKILL)  # the whole group: worker, DHT node, p2pd
         killed_after = len(swarm.records())
         assert not survivors(victim.popen.pid)
@@ -284,7 +290,7 @@ def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(processes, tmp_pat
         gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(after[:-1], after[1:], strict=True)]
         # A step that waited out the all-reduce would take over 120 s; a loaded machine takes a few.
         assert max(gaps) < run.averaging.averaging_timeout_s / 2, gaps
-        moves = {n: re.findall(r"moving from stage (\d) to stage (\d)", swarm.peers[n].output()) for n in names}
+        moves = {n: re.findall(MOVE, swarm.peers[n].output()[logged[n] :]) for n in names if n != "b1"}
         assert sum(map(len, moves.values())) <= 1, moves
         assert "Traceback" not in swarm.trainer.output()
     finally:
