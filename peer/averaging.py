@@ -198,13 +198,8 @@ class SwarmUpdater:
         if group >= 2:
             self.rounds.append(self.last_step["s"] - self.norms.waited)
         log.info(
-            "stage %d step %d: %d samples, averaged in a group of %d in %.3f s (norm wait %.3f s)",
-            self.stage,
-            before,
-            pending,
-            group,
-            self.last_step["s"],
-            self.norms.waited,
+            f"stage {self.stage} step {before}: {pending} samples, averaged in a group of {group} "
+            f"in {self.last_step['s']:.3f} s (norm wait {self.norms.waited:.3f} s)"
         )
         self.lone = group < 2 and bool(step_round.partners)
         if group == 0:
