@@ -258,9 +258,9 @@ MOVE = r"moving from stage (\d) to stage (\d)"
 def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(processes, tmp_path):
     """Averaging and rebalancing on. After b1 is killed: a1 steps alone at once (hivemind's tracker
     lists b1 until its record expires, and an all-reduce looking for it would wait averaging_timeout_s,
-    set to 120 s here so that such a wait cannot pass unseen); nobody moves back and forth, at most
-    one peer moves; no step is lost, none applied twice; b1 leaves no process behind and its record
-    vanishes from the DHT by itself."""
+    set to 120 s here so that such a wait cannot pass unseen); nobody moves back and forth: after
+    the loss at most one peer moves; no step is lost, none applied twice; b1 leaves no process
+    behind and its record vanishes from the DHT by itself."""
     extra = FAST_AVERAGING + "averaging_timeout_s = 120.0\n\n[rebalance]\nperiod_s = 4.0\n"
     path, run = config_with(tmp_path, extra)
     swarm = Swarm(tmp_path, path)
