@@ -21,6 +21,7 @@ import httpx
 from swarm.ready import CoordinatorReady, wait_ready
 
 START_TIMEOUT_S = 60.0
+ZYGOTE_ENV = "SWARM_ZYGOTE"  # "1": fork the commands from a zygote (`Proc.forked`)
 
 
 @functools.cache
@@ -33,10 +34,11 @@ def http(verify: bool | str = True) -> httpx.Client:
 
 
 class Proc:
-    """`python -m swarm.cli ARGS` in its own process group, output to `log`. With `ready`, the
-    command gets `--ready-file` (next to the log, `proc.ready_file`) for `swarm.ready.wait_ready`.
-    `env`: variables added to this process's environment; `prefix`: what runs the command (e.g.
-    `ip netns exec NS`, which keeps the process and its group)."""
+    """`python -m swarm.cli ARGS` in its own process group, output to `log` (forked from a zygote with
+    SWARM_ZYGOTE=1, see `forked`). With `ready`, the command gets `--ready-file` (next to the log,
+    `proc.ready_file`) for `swarm.ready.wait_ready`. `env`: variables added to this process's
+    environment; `prefix`: what runs the command (e.g. `ip netns exec NS`, which keeps the process and
+    its group)."""
 
     def __init__(
         self,
@@ -56,8 +58,19 @@ class Proc:
         self._log = open(log, "w")  # noqa: SIM115 (closed in close())
         self.popen = self.spawn(args, cwd, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, prefix or [])
 
-    def spawn(self, args: list[str], cwd: Path | None, env: dict[str, str], prefix: list[str]) -> subprocess.Popen:
-        """Start `python -m swarm.cli ARGS` (under `prefix`) in a session of its own, output to the log."""
+    def forked(self) -> bool:
+        """Whether the command is forked from this process's zygote (swarm/zygote.py) rather than a new
+        interpreter: with SWARM_ZYGOTE=1 in the environment, for whoever starts many commands."""
+        return os.environ.get(ZYGOTE_ENV) == "1"
+
+    def spawn(self, args: list[str], cwd: Path | None, env: dict[str, str], prefix: list[str]):
+        """Start `python -m swarm.cli ARGS` (under `prefix`) in a session of its own, output to the log:
+        a `subprocess.Popen`, or the zygote's `Forked` (which has the part of it used here)."""
+        netns = prefix[3] if len(prefix) == 4 and prefix[:3] == ["ip", "netns", "exec"] else None
+        if self.forked() and (not prefix or netns):
+            from swarm.zygote import zygote  # imports torch and hivemind: only where it is used
+
+            return zygote().spawn(args, self.log_path, cwd or Path.cwd(), env, netns=netns)
         return subprocess.Popen(
             [*prefix, sys.executable, "-m", "swarm.cli", *args],
             stdout=self._log,

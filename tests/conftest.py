@@ -1,11 +1,16 @@
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 # The harness's hooks and fixtures: marking the tests that start processes `swarm`, refusing a process
 # to a test of the fast tier, and ending what a module leaves running (tests/harness.py).
+from swarm.zygote import zygote
 from tests.harness import (  # noqa: F401
     _nothing_left_running,
     processes,
@@ -24,12 +29,19 @@ def tiny_config_path() -> Path:
 
 
 def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run the `swarm` command line in a fresh interpreter, as a user would (a test that calls it asks
-    for the `processes` fixture)."""
-    return subprocess.run(
-        [sys.executable, "-m", "swarm.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd or ROOT,
-    )
+    """Run the `swarm` command line as a user would, with this process's environment, and capture its
+    output, as `subprocess.run` would (a test that calls it asks for the `processes` fixture). It is
+    forked from the zygote (swarm/zygote.py), which runs it as a new interpreter would, without 3 s of
+    imports; a command that outlives `timeout` is killed with its process group (TimeoutExpired)."""
+    command = [sys.executable, "-m", "swarm.cli", *args]
+    with tempfile.TemporaryDirectory(prefix="swarm-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = zygote().spawn(list(args), out, cwd or ROOT, dict(os.environ), err=err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(command, code, out.read_text(), err.read_text())

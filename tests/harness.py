@@ -29,8 +29,8 @@ import pytest
 
 from swarm.children import Proc, http, stop_all
 from swarm.children import processes as process_table
+from swarm.zygote import Zygote, zygote
 from tests.processes import ROOT, child, start_coordinator, wait_for_state
-from tests.zygote import Zygote, zygote
 
 TINY = ROOT / "configs" / "tiny.toml"
 ACCUMULATION = 2  # tiny.toml: global_batch 16 / micro_batch 8
@@ -65,7 +65,7 @@ def command_name(pid: int) -> str:
 
 def own_children() -> set[int]:
     """Process groups this process started (`start_new_session`), itself or through its zygote
-    (tests/zygote.py), that are still running; neither the zygote nor the KEPT ones."""
+    (swarm/zygote.py), that are still running; neither the zygote nor the KEPT ones."""
     me, parents = os.getpid(), {os.getpid()}
     if zygote.cache_info().currsize:
         parents.add(zygote().pid())

@@ -16,7 +16,6 @@ from swarm.client import StageClient
 from swarm.join import join_dht, join_run
 from swarm.net import free_port
 from swarm.ready import PeerReady, wait_ready
-from tests.zygote import zygote
 
 __all__ = ["Proc", "free_port", "group_members", "http", "survivors"]  # with the helpers below
 
@@ -24,13 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ForkedProc(Proc):
-    """A Proc forked from this process's zygote (tests/zygote.py), which has imported torch and
-    hivemind once; under a prefix (`ip netns exec`), a new interpreter as usual."""
+    """A Proc forked from this process's zygote (swarm/zygote.py), which has imported torch and
+    hivemind once, whatever the environment says."""
 
-    def spawn(self, args: list[str], cwd: Path | None, env: dict[str, str], prefix: list[str]):
-        if prefix:
-            return super().spawn(args, cwd, env, prefix)
-        return zygote().spawn(args, self.log_path, cwd or ROOT, env)
+    def forked(self) -> bool:
+        return True
 
 
 def child(args: list[str], log: Path, ready: bool = False) -> Proc:

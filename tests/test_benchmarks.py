@@ -30,6 +30,7 @@ from benchmarks.net import unavailable
 from benchmarks.pipeline import DELAYED_SECTION
 from benchmarks.trainers import SECTION as TRAINERS_SECTION
 from benchmarks.wire import TLS_SECTION
+from swarm.children import ZYGOTE_ENV
 from swarm.config import load_config
 from tests.conftest import ROOT
 
@@ -124,6 +125,9 @@ def smoke_run(name: str, tmp: Path) -> Smoke:
     # One torch thread in every process it starts: a process training with torch's thread a core spins
     # on cores its swarm's other processes share (2 steps of tiny.toml: 168 s, 8.6 s with one).
     env["OMP_NUM_THREADS"] = "1"
+    # Its `swarm` commands forked from a zygote (swarm/zygote.py), not each a new interpreter: about 3 s
+    # of CPU each in imports, and the smoke runs start some two hundred.
+    env[ZYGOTE_ENV] = "1"
     options = [arg.format(tmp=tmp) for arg in TINY[name]]
     args = [sys.executable, "-m", "benchmarks", "--results", str(results), name, *options]
     before = digest(SHIPPED)

@@ -9,9 +9,9 @@ from hivemind.utils.mpfuture import MPFuture
 
 from swarm.children import http
 from swarm.children import processes as process_table
+from swarm.zygote import process_locks, renew, zygote
 from tests.harness import TINY, command_name, end_groups, own_children
 from tests.processes import child, start_coordinator
-from tests.zygote import process_locks, renew, zygote
 
 
 def test_ending_a_tests_leftovers_spares_torchs_shared_memory_manager(processes):
@@ -28,7 +28,7 @@ def test_ending_a_tests_leftovers_spares_torchs_shared_memory_manager(processes)
 
 
 def test_a_command_forked_from_the_zygote_runs_as_a_new_interpreter_would(processes, tmp_path):
-    """tests/zygote.py: a `swarm` command forked from the zygote (which imported torch and hivemind
+    """swarm/zygote.py: a `swarm` command forked from the zygote (which imported torch and hivemind
     once) writes to its log, exits with the command's status, and leads a session of its own."""
     bad = child(["peer", "--stage", "nope"], tmp_path / "bad.log")
     assert bad.popen.wait(60) == 2, bad.output()

@@ -1,21 +1,23 @@
-"""`swarm` commands for the tests without importing torch and hivemind for each one.
+"""`swarm` commands started by forking a process that imported torch and hivemind once.
 
-Every peer, coordinator and trainer a test starts is `python -m swarm.cli ...`, and its imports alone
-took about 3 s of CPU (torch, hivemind and the scipy it pulls in): a suite that starts hundreds of
-them spent a large part of two cores on imports. A zygote process imports them once; each command is
-a fork of it that becomes `python -m swarm.cli ARGS` (runpy, as `-m` does), in a session of its own,
-with its environment, working folder and log, and exits as that command would (atexit handlers,
-exit status, signals). The zygote holds no thread when it forks (checked), so the children are as
-clean as a new interpreter. Commands that must run under a prefix (`ip netns exec`) and the tests of
-the command line's own start-up (`run_cli`) still start a new interpreter.
+A `swarm` command's imports alone take about 3 s of CPU (torch, hivemind and the scipy it pulls in).
+Whoever starts many commands on one machine (the tests and the benchmarks start hundreds; see
+`swarm.children.Proc`, which forks from here when SWARM_ZYGOTE=1) spends a large part of its cores on
+those imports. A zygote process imports them once; each command is a fork of it that becomes
+`python -m swarm.cli ARGS` (runpy, as `-m` does), in a session of its own, with its environment,
+working folder and log, optionally inside a network namespace (as `ip netns exec NS` would put it),
+and exits as that command would (atexit handlers, exit status, signals). The zygote holds no thread
+when it forks (checked), so the children are as clean as a new interpreter. The zygote ends when the
+process that started it closes its end of the pipe (it exits, or is killed).
 
-Protocol, one JSON object a line: the test process writes {"args", "cwd", "env", "log"}; the zygote
-answers {"started": pid} and later, for each child, {"exited": pid, "code": returncode}.
+Protocol, one JSON object a line: the starting process writes {"args", "cwd", "env", "log", "err", "netns"};
+the zygote answers {"started": pid} and later, for each child, {"exited": pid, "code": returncode}.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import json
@@ -89,22 +91,42 @@ def renew(locks: list[tuple[object, str]]) -> None:
         setattr(owner, attribute, RENEWED[type(getattr(owner, attribute))]())
 
 
+# setns(2)'s flag for a network namespace (linux/sched.h).
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into the network namespace `name`, as `ip netns exec`
+    does. Python 3.11 has no os.setns (3.12 does), hence libc's."""
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into network namespace {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
 def become(request: dict, locks: list[tuple[object, str]]) -> None:
     """In a fresh fork: become `python -m swarm.cli ARGS` and never return (SystemExit unwinds the
-    zygote's loop, so the interpreter exits as that command's would)."""
+    zygote's loop, so the interpreter exits as that command's would; so does an error here)."""
     renew(locks)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    log = os.open(request["log"], flags)
+    err = os.open(request["err"], flags) if request.get("err") else log
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.close(null)
+    os.dup2(err, 2)
+    for fd in {log, err, null}:
+        os.close(fd)
+    if request.get("netns"):
+        enter_netns(request["netns"])
     for stream in (sys.stdout, sys.stderr):  # PYTHONUNBUFFERED, as the command's environment asks
         stream.reconfigure(write_through=True, line_buffering=True)
     # A new interpreter seeds these from the OS: forks of one zygote would all draw the same numbers
@@ -149,11 +171,11 @@ def serve() -> None:
         answer({"started": pid})
 
 
-# -- in the test process ---------------------------------------------------------------------------
+# -- in the starting process ---------------------------------------------------------------------------
 
 
 class Forked:
-    """A child of the zygote, with the part of `subprocess.Popen` that swarm.children.Proc uses."""
+    """A child of the zygote, with the part of `subprocess.Popen` that swarm.children.Proc's users use."""
 
     def __init__(self, zygote: Zygote, pid: int, args: list[str]):
         self.zygote, self.pid, self.args = zygote, pid, args
@@ -182,7 +204,7 @@ class Forked:
 class Zygote:
     def __init__(self):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.zygote"],
+            [sys.executable, "-m", "swarm.zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=ROOT,
@@ -213,13 +235,29 @@ class Zygote:
     def exit_code(self, pid: int) -> int | None:
         return self.exits.get(pid)
 
-    def spawn(self, args: list[str], log: Path, cwd: Path, env: dict[str, str]) -> Forked:
+    def spawn(
+        self,
+        args: list[str],
+        log: Path,
+        cwd: Path,
+        env: dict[str, str],
+        netns: str | None = None,
+        err: Path | None = None,
+    ) -> Forked:
+        """`python -m swarm.cli ARGS` forked, in `cwd` with exactly `env`, output appended to `log` (its
+        standard error to `err` when given); with `netns`, inside that network namespace."""
         with self.lock:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the zygote exited ({self.proc.returncode}); no command can be started")
-            self.proc.stdin.write(
-                (json.dumps({"args": args, "cwd": str(cwd), "env": env, "log": str(log)}) + "\n").encode()
-            )
+            request = {
+                "args": args,
+                "cwd": str(cwd),
+                "env": env,
+                "log": str(log),
+                "err": err and str(err),
+                "netns": netns,
+            }
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
             pid = self.started.get(timeout=60)
         if pid is None:
