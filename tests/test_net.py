@@ -7,6 +7,7 @@ skip, saying which is missing, where a network namespace cannot be made.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.net import PREFIX, Internet, NetSwarm, by_name, namespaces, sh, unavailable
+from swarm.ready import CoordinatorReady, wait_ready
+from swarm.zygote import Forked
 from tests.harness import TINY
+from tests.processes import ForkedProc
 
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no emulated internet here: {WHY}")
@@ -112,3 +116,23 @@ def test_a_swarm_trains_with_every_process_on_a_node_of_its_own(processes, tmp_p
             assert [s["step"] for s in steps] == list(range(4)), steps
             state = swarm.state(lambda s: len(by_name(s, "address")) == 2, 30)
             assert by_name(state, "address")["p1"].startswith(swarm.nodes["p1"].address + ":")
+
+
+def test_a_command_forked_from_the_zygote_into_a_node_serves_from_the_nodes_namespace(processes, tmp_path: Path):
+    """swarm/zygote.py: a command under `ip netns exec NS` is forked into NS, as the prefix would run
+    it. The coordinator binds the node's address, which exists only in the node's namespace."""
+    with Internet() as net:
+        node = net.add("coordinator")
+        args = ["coordinator", "--config", str(TINY), "--host", node.address, "--port", "8000", "--dht-port", "0"]
+        proc = ForkedProc(
+            [*args, "--state-dir", str(tmp_path / "state")], tmp_path / "c.log", ready=True, prefix=node.prefix()
+        )
+        try:
+            assert isinstance(proc.popen, Forked)
+            ready = wait_ready(proc, CoordinatorReady, timeout=60)
+            assert ready.url == f"http://{node.address}:8000"
+            inode = os.stat(f"/proc/{proc.popen.pid}/ns/net").st_ino
+            assert inode == os.stat(f"/run/netns/{node.ns}").st_ino != os.stat("/proc/self/ns/net").st_ino
+            assert node.get_json(f"{ready.url}/api/v1/state")["run_id"] == "tiny"
+        finally:
+            proc.stop()
