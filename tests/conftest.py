@@ -8,6 +8,13 @@ from pathlib import Path
 
 import pytest
 
+# One torch thread in every process the tests start (the xdist workers, the zygote and every command
+# it forks): the suite keeps each core busy with processes of its own, and a torch op split over two
+# threads then spins, waiting for a thread that is not running. `swarm train --local` (tiny.toml, 40
+# steps) beside one busy loop on 2 cores: 30 s of CPU with torch's 2 threads, 11 s with 1. Set before
+# anything imports torch; a value set by the caller is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The harness's hooks and fixtures: marking the tests that start processes `swarm`, refusing a process
 # to a test of the fast tier, and ending what a module leaves running (tests/harness.py).
 from swarm.zygote import zygote
