@@ -37,7 +37,9 @@ from pathlib import Path
 
 import numpy
 
-PRELOAD = ("torch", "hivemind", "swarm.cli", "peer.daemon", "coordinator.app", "swarm.trainer.loop")
+# torch._dynamo: torch.optim's optimizers import it when the first one is made (`_disable_dynamo`), so
+# every peer did, after the fork: 1.2 to 3 s of CPU each, most of a forked peer's start.
+PRELOAD = ("torch", "torch._dynamo", "hivemind", "swarm.cli", "peer.daemon", "coordinator.app", "swarm.trainer.loop")
 ROOT = Path(__file__).resolve().parent.parent
 
 
