@@ -270,6 +270,11 @@ def make_dht(
     with tempfile.TemporaryDirectory(prefix="swarm-dht-") as tmp:  # private to this user (mode 0700)
         if identity_path is None:
             identity_path = _write_identity(record_key, Path(tmp) / "identity.key")
+            # hivemind checks that no reachable peer holds an identity file's peer id by starting a
+            # second p2pd and dialling it through the initial peers: a p2p daemon's start (about 0.8 s
+            # of CPU) and a round of dials for every node. A key made here is fresh, or the process-wide
+            # one that no live node of this process holds (`node_key`): nobody else can hold it.
+            extra["check_if_identity_free"] = False
         for attempt in range(1, attempts + 1):
             dht = hivemind.DHT(
                 initial_peers=initial_peers or None,
