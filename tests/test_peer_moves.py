@@ -25,10 +25,10 @@ CALLERS = 16  # calls at once: the stage server runs a thread for each
 def threads(pid: int, over_s: float = 1.0) -> int:
     """The fewest threads the process ran at any of 6 looks over `over_s`: right after a burst of calls,
     some of the burst's threads are still ending, more of them the more loaded the machine."""
-    counts = []
-    for _ in range(6):
-        counts.append(len(os.listdir(f"/proc/{pid}/task")))
+    counts = [len(os.listdir(f"/proc/{pid}/task"))]
+    for _ in range(5):
         time.sleep(over_s / 5)
+        counts.append(len(os.listdir(f"/proc/{pid}/task")))
     return min(counts)
 
 
