@@ -77,7 +77,12 @@ def same_host(a: str, b: str) -> bool:
     return x == y or (x.is_loopback and y.is_loopback)
 
 
-def reachability_router(admitted: Callable, refused: dict, relay: str | None = None) -> APIRouter:
+def reachability_router(
+    admitted: Callable, refused: dict, relay: str | None = None, dialled: Callable[[], None] = lambda: None
+) -> APIRouter:
+    """`dialled`: called once a peer was dialled back. A peer asks once it announced itself online, so
+    the coordinator reads the swarm again then, and lists it online at once rather than up to
+    READ_EVERY_S later."""
     router = APIRouter(dependencies=[Depends(admitted)])
 
     @router.post(
@@ -109,6 +114,7 @@ def reachability_router(admitted: Callable, refused: dict, relay: str | None = N
         stage, dht = dials[0], dials[1:]
         direct = stage.reach == "direct" and (not dht or any(d.reach == "direct" for d in dht))
         reach = "direct" if direct else "unreachable"
+        dialled()
         return ReachabilityResponse(seen_from=seen, stage=stage, dht=dht, reach=reach, relay=relay)
 
     return router

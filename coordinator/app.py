@@ -369,7 +369,7 @@ def create_app(
         app.include_router(data_router(leases, admitted, refused))  # /api/v1/data (coordinator.api_data)
     app.include_router(speedtest_router(admitted, refused))  # /api/v1/speedtest (coordinator.api_speedtest)
     app.include_router(
-        reachability_router(admitted, refused, join_info.relay)
+        reachability_router(admitted, refused, join_info.relay, dialled=view_holder.read_soon)
     )  # /api/v1/reachability (coordinator.api_reachability)
 
     # The live dashboard: static files shipped in the package, polling the API above.

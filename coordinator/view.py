@@ -38,6 +38,12 @@ class ViewHolder:
         self._listeners: list[ViewListener] = []
         self.reads = 0  # successful reads since start
         self.failures = 0  # reads that raised
+        self.wanted = threading.Event()  # set: read the DHT now, not at the end of the interval
+
+    def read_soon(self) -> None:
+        """Have the reader read the DHT now: something changed that the view should show at once (a peer
+        just came online), not up to an interval later."""
+        self.wanted.set()
 
     def get(self) -> SwarmView:
         with self._lock:
@@ -69,7 +75,10 @@ class ViewHolder:
 
 
 class SwarmReader(threading.Thread):
-    """Reads the run's records from the DHT into a ViewHolder every `interval` seconds until stopped."""
+    """Reads the run's records from the DHT into a ViewHolder every `interval` seconds until stopped,
+    and sooner when asked (`ViewHolder.read_soon`)."""
+
+    MIN_GAP_S = 0.25
 
     def __init__(self, dht: hivemind.DHT, run_id: str, num_stages: int, holder: ViewHolder, interval: float = 1.0):
         # A daemon thread: a DHT call that never returns (its process already gone) cannot keep
@@ -92,9 +101,14 @@ class SwarmReader(threading.Thread):
                 log.warning("reading the swarm from the DHT failed: %s", err)
             else:
                 self.holder.set(view, control)
-            self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - started)))
+            if self.holder.wanted.wait(max(0.0, self.interval - (time.monotonic() - started))):
+                self.holder.wanted.clear()
+                # Asked for at once, but never more often than this: many asks (peers coming online
+                # together, or a member asking again and again) cost one read each MIN_GAP_S.
+                self._stop_event.wait(max(0.0, self.MIN_GAP_S - (time.monotonic() - started)))
 
     def stop(self, timeout: float = 3.0) -> None:
         self._stop_event.set()
+        self.holder.wanted.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)

@@ -15,9 +15,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.view import SwarmReader, ViewHolder, empty_view
 from swarm.config import ConfigError, load_config
 from swarm.join import fetch_join, join_dht
-from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer
+from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer, make_dht, shutdown_dht
 from tests.harness import swarm_fixture
 from tests.processes import ROOT, group_members, member_dht, start_coordinator, wait_for_state
 
@@ -220,3 +221,36 @@ def test_a_joiner_asks_again_for_a_certificate_the_coordinator_did_not_answer(co
         front.close()
     assert front.certificate_calls == 2
     assert run.run_id == load_config(TINY).run_id
+
+
+def test_the_reader_reads_at_once_when_asked_and_no_more_often_than_its_gap(processes):
+    """The coordinator's reader (an interval of 10 minutes here) reads the DHT when asked, as a peer
+    that was just dialled back asks: the peer is listed without waiting for the interval. Asked again
+    and again (a member asking for reachability in a loop), it reads once per MIN_GAP_S, no more."""
+    dht = make_dht()
+    holder = ViewHolder(empty_view(2))
+    reader = SwarmReader(dht, "tiny", 2, holder, interval=600)
+    reader.start()
+
+    def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    try:
+        until(lambda: holder.reads == 1, "no first read")
+        peer = PeerRecord(peer_id=dht.peer_id.to_base58(), stage=1, address="127.0.0.1:1", state="online")
+        assert announce_peer(dht, "tiny", peer)
+        time.sleep(0.5)
+        assert holder.reads == 1 and not holder.get().stages[1], "read before it was asked to"
+        holder.read_soon()
+        until(lambda: any(p.peer_id == peer.peer_id for p in holder.get().stages[1]), "not read when asked")
+        before, began = holder.reads, time.monotonic()
+        while time.monotonic() - began < 2.0:
+            holder.read_soon()
+            time.sleep(0.001)
+        assert 1 <= holder.reads - before <= 2.0 / SwarmReader.MIN_GAP_S + 1, holder.reads - before
+    finally:
+        reader.stop()
+        shutdown_dht(dht)
