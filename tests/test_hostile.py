@@ -25,7 +25,10 @@ STRIKES = 2  # tiny.toml leaves verify.strikes at its default
 def test_a_peer_answering_malformed_tensors_is_banned_and_every_step_completes(processes, tmp_path, malformed):
     swarm = Swarm(tmp_path)
     try:
-        swarm.add_peer("honest0", 0)
+        # The honest peer of stage 0 is slower, so that the router sends the hostile one calls: each
+        # peer's speed is measured as it starts, and on a loaded machine an honest peer that measured
+        # faster took every call of the 20 steps (the router sends a call where it expects it done first).
+        swarm.add_peer("honest0", 0, "--delay-per-sample", "0.01")
         swarm.add_peer("hostile", 0, "--malformed", malformed)
         swarm.add_peer("honest1", 1)
         state = swarm.wait_online(["honest0", "hostile", "honest1"])
