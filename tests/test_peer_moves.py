@@ -80,8 +80,10 @@ def test_a_peer_that_keeps_moving_leaves_no_threads_or_processes_behind(processe
         # by up to 5 threads that were still ending (28 to 36 in one loaded run), so each count is the
         # fewest over a second, and the last three moves' mean is held to the first three's: before
         # the old servers' pools were shut down it grew by 3 to 6 a move, 12 or more between the means.
+        # On a loaded machine the means of a peer that leaks nothing still differed by 5 ([31, 28, 32,
+        # 28, 32, 35, 31, 37]), so the bound is 8, below the least leak's 12.
         early, late = [c[0] for c in counts[1:4]], [c[0] for c in counts[-3:]]
-        assert sum(late) / 3 <= sum(early) / 3 + 4, f"threads after each move: {[c[0] for c in counts]}"
+        assert sum(late) / 3 <= sum(early) / 3 + 8, f"threads after each move: {[c[0] for c in counts]}"
         assert max(c[1] for c in counts[2:]) <= counts[1][1], f"processes after each move: {[c[1] for c in counts]}"
     finally:
         swarm.close()
