@@ -21,6 +21,7 @@ from swarm.join import fetch_join, join_dht
 from swarm.records import PeerRecord, TrainerRecord, announce_peer, announce_trainer, make_dht, shutdown_dht
 from tests.harness import swarm_fixture
 from tests.processes import ROOT, group_members, member_dht, start_coordinator, wait_for_state
+from tests.test_exactly_once import until
 
 TINY = ROOT / "configs" / "tiny.toml"
 LONG_TTL = 120.0  # records the tests must still see at the end of the module
@@ -231,13 +232,6 @@ def test_the_reader_reads_at_once_when_asked_and_no_more_often_than_its_gap(proc
     holder = ViewHolder(empty_view(2))
     reader = SwarmReader(dht, "tiny", 2, holder, interval=600)
     reader.start()
-
-    def until(condition, what: str) -> None:
-        deadline = time.monotonic() + 20
-        while not condition():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.01)
-
     try:
         until(lambda: holder.reads == 1, "no first read")
         peer = PeerRecord(peer_id=dht.peer_id.to_base58(), stage=1, address="127.0.0.1:1", state="online")
