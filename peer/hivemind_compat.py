@@ -287,16 +287,27 @@ class TrackerView:
     the reports it fetched; its parser (`_parse_swarm_progress_data`) is wrapped."""
 
     def __init__(self, tracker: ProgressTracker):
-        self.gone: set[bytes] = set()  # replicas that did not answer at the last step: not counted
+        self.gone: set[bytes] = set()  # replicas that did not answer at the last step: not counted...
+        self.gone_at = 0  # ... unless they report a later step than that one: they are alive and ahead
         self.fetched: dict = {}
         self._parse = tracker._parse_swarm_progress_data
         tracker._parse_swarm_progress_data = self._without_gone
 
+    def leave_out(self, gone: set[bytes], step: int) -> None:
+        """Leave `gone` out of the count from the round of `step` on. A replica that only missed a ping
+        (a loaded machine) and reports a later step counts again: left out for good, it hid the stage's
+        step from a replica that follows the stage without serving, which then never caught up."""
+        self.gone, self.gone_at = gone, step
+
     def _without_gone(self, metadata):
         self.fetched = metadata if isinstance(metadata, dict) else {}
         if isinstance(metadata, dict) and self.gone:
-            metadata = {k: v for k, v in metadata.items() if _reporter(v) not in self.gone}
+            metadata = {k: v for k, v in metadata.items() if _reporter(v) not in self.gone or self._ahead(v)}
         return self._parse(metadata)
+
+    def _ahead(self, item) -> bool:
+        epoch = item.value.get("epoch")
+        return isinstance(epoch, int) and epoch > self.gone_at
 
 
 def count_alone(tracker: ProgressTracker) -> None:

@@ -131,7 +131,7 @@ class StepRound:
         self.opt, self.run, self.stage = opt, run, stage
         tracked = tracked_partners(opt)
         self.partners = live_partners(opt, tracked)
-        view.gone = set(tracked) - set(self.partners)
+        view.leave_out(set(tracked) - set(self.partners), opt.local_epoch)
         if not self.partners:
             # No other replica of the stage is there to average with: step alone at once.
             count_alone(opt.tracker)

@@ -407,6 +407,24 @@ def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part
     outer_step_together(a, b)
 
 
+def test_a_replica_left_out_of_a_rounds_count_counts_again_once_it_reports_a_later_step(processes, stage_one):
+    """A replica left out of a round's count because it missed a ping (a loaded machine) and then
+    reports a later step counts again: the other replica, following the stage without serving, sees
+    the stage ahead and catches up. Left out until its own next step, b never saw a's step in 30 s of
+    a CI run (a replica that only follows takes no step of its own)."""
+    run = stage_one.run
+    a, b, _, ga, gb, half = two_replicas(stage_one)
+    full = run.training.global_batch
+    take_step([a, b], [ga, gb], half)
+    # As b's round of that step does when a's ping goes unanswered (peer/rounds.py StepRound).
+    b.tracker_view.leave_out({a.opt.dht.peer_id.to_bytes()}, b.epoch - 1)
+    serve(a, ga, full)  # the next step's batch, all on a
+    wait_ready(a, full)
+    assert step_until_taken(a, full, ROUND_S) == full
+    follow_the_stage(b)
+    assert b.epoch == a.epoch == 2
+
+
 def assert_outer_step_alone(a: SwarmUpdater, start: list[torch.Tensor], ga: list[torch.Tensor]) -> None:
     """`a` ended the phase with an outer step on its own pseudo-gradient alone: nothing of its phase was
     lost, nothing of its departed partner's half phase came in."""

@@ -74,6 +74,11 @@ def outvoted(out: str) -> list[tuple[str, str, str]]:
     return re.findall(r"spot check: peer (\S+) of stage (\d+) outvoted on its (?:redone )?(training|check) answer", out)
 
 
+def undecided(out: str) -> list[tuple[str, str]]:
+    """The two peers of each spot check that disagreed with no third machine to settle it."""
+    return re.findall(r"spot check: stage \d+'s answers to \S+ from (\S+) and (\S+) disagree, and no third", out)
+
+
 def assert_every_step_done(swarm: Swarm, steps: int = STEPS, accumulation: int = ACCUMULATION) -> list[dict]:
     """The trainer's records once it exited cleanly: every step (0 .. steps - 1, none skipped or
     repeated) and every microbatch done, and the model learning: every loss finite, the last step's
@@ -170,7 +175,12 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
         assert banned_peers(out) == [(liar, "1")], happened
         # Each outvoted training answer taken back and its microbatch redone on an honest peer.
         assert last["outvoted_taken_back"] == last["redone"] == len(votes), (last, happened)
-        assert last["outvoted_kept"] == 0 and last["spot_unresolved"] == 0, (last, happened)
+        assert last["outvoted_kept"] == 0, (last, happened)
+        # No check of the liar's stayed undecided. Two honest replicas may disagree for a step (an
+        # all-reduce that lost parts under load, until the replica check reloads one: peer/replica_check.py)
+        # with the liar banned and no third machine left: a CI run had 8 such checks, all after the ban.
+        pairs = undecided(out)
+        assert len(pairs) == last["spot_unresolved"] and not [p for p in pairs if liar in p], (last, happened)
         # The liar applied no gradient, and every stage applied every microbatch once.
         applied = [mb for step in swarm.applied() if step["peer"] == "liar" for mb in step["microbatches"]]
         assert not applied, (applied, happened)

@@ -242,7 +242,10 @@ class Referee:
 
         verdict = self.spot.judge(stage, answers[:2], rtol, arbiter)
         if not verdict.agreed and verdict.odd is None:
-            event(f"spot check: stage {stage}'s answers to {name} disagree, and no third machine could settle it")
+            event(
+                f"spot check: stage {stage}'s answers to {name} from {peer} and {checker} disagree, "
+                "and no third machine could settle it"
+            )
         if verdict.odd is not None:
             role = "training" if verdict.odd == peer else "check"
             event(f"spot check: peer {verdict.odd} of stage {stage} outvoted on its {role} answer to {name}")
