@@ -148,7 +148,7 @@ class DiLoCoUpdater(SwarmUpdater):
     def _next_inner_step(self, pending: int) -> int:
         """Within a phase: move on to the next step without an all-reduce."""
         before = self.epoch
-        set_epoch(self.opt, before + 1)  # hivemind's tracker reports the new step when this replica served
+        set_epoch(self.opt, before + 1)  # hivemind's tracker reports the new step if it saw samples of this one
         self.last_step = {"step": before, "samples": pending, "group": 1, "s": 0.0, "reduced_bytes": 0}
         log.info(
             "stage %d step %d: %d samples, inner step %d of %d",
@@ -158,16 +158,26 @@ class DiLoCoUpdater(SwarmUpdater):
             before % self.run.averaging.inner_steps + 1,
             self.run.averaging.inner_steps,
         )
-        if pending == 0:
+        if pending == 0 or not self._samples_seen(before):
             self._announce_inner_step()
         return pending
 
+    def _samples_seen(self, step: int) -> bool:
+        """Whether the tracker's last fetch holds this replica's report of samples served toward `step`.
+        hivemind's tracker goes on storing a replica's reports after a step only if one of them held
+        samples of the step before; a replica that served its samples in one call and stepped before the
+        tracker's reporter thread ran (a loaded machine) was taken for an auxiliary peer: its new step
+        never reached the DHT, and a replica following the stage never saw the stage ahead."""
+        me = self.opt.dht.peer_id.to_base58()
+        return any(p == me and epoch == step and n > 0 for p, epoch, n in self.reports)
+
     def _announce_inner_step(self) -> None:
-        """After a step without an all-reduce that this replica served nothing of: its progress
-        report (`report_progress`), with the step that `_partner_lagging` reads, which hivemind's
-        tracker stops storing for a replica that serves nothing. No digest: within a phase the outer
-        weights stay those of its first step, whose digest was published and checked then (a digest
-        and its check at every inner step were two of each replica's five DHT operations a step)."""
+        """After a step without an all-reduce that hivemind's tracker may not report (this replica served
+        nothing of it, or no report of its samples was seen, `_samples_seen`): its progress report
+        (`report_progress`), with the step that `_partner_lagging` reads. No digest: within a phase
+        the outer weights stay those of its first step, whose digest was published and checked then
+        (a digest and its check at every inner step were two of each replica's five DHT operations a
+        step)."""
         report_progress(self.opt)
 
     def _start_phase(self) -> None:

@@ -148,7 +148,7 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
     was then kept and counted so (`outvoted_kept`, docs/trust.md), and nothing was taken back."""
     stages = 2 if where == "last stage" else 3
     config = checked_config(tmp_path, 1.0, stages, strikes=1, micro_batch=2)
-    steps = 4  # the lie comes in step 0
+    steps = 2  # the lie comes in step 0; step 1 runs with the liar banned
     swarm = Swarm(tmp_path, config)
     try:
         names = []
@@ -159,7 +159,7 @@ def test_a_liar_that_corrupts_only_its_training_gradients_is_banned_and_its_grad
                 # The honest peers of stage 1 are far slower: the router sends the liar most of its calls.
                 # At 0.01 s a sample (0.02 s a call) a loaded machine's noise outweighed the difference:
                 # the liar served no training call of the 4 steps, and nothing was there to catch.
-                extra = ("--corrupt-grads", "1.0") if name == "liar" else ("--delay-per-sample", "0.2")
+                extra = ("--corrupt-grads", "1.0") if name == "liar" else ("--delay-per-sample", "0.1")
                 swarm.add_peer(name, k, *(extra if k == 1 else ()))
                 names.append(name)
         state = swarm.wait_online(names)
