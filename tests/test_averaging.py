@@ -719,7 +719,7 @@ def train_and_assert_replicas_equal(swarm, run, names: list[str], steps: int) ->
         # The same bits, with a lossy codec too: every replica copies in the reducers' averages. A round
         # that left a replica out (it began its part of the all-reduce too late on a loaded machine) sets
         # them apart for a moment: the replica check has one load the other's weights within its WAIT_S
-        # of the step (peer/replica_check.py), with no more work coming. A CI run read them 0.0006 apart
+        # of the step (peer/replica_check.py), with no more work coming. A full run read them 0.0006 apart
         # at once, after the last step's outer round had left b1 out.
         deadline = time.monotonic() + ReplicaCheck.WAIT_S + 20
         while True:

@@ -410,8 +410,8 @@ def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part
 def test_a_replica_left_out_of_a_rounds_count_counts_again_once_it_reports_a_later_step(processes, stage_one):
     """A replica left out of a round's count because it missed a ping (a loaded machine) and then
     reports a later step counts again: the other replica, following the stage without serving, sees
-    the stage ahead and catches up. Left out until its own next step, b never saw a's step in 30 s of
-    a CI run (a replica that only follows takes no step of its own)."""
+    the stage ahead and catches up. Left out until b's own next step, a stayed hidden from b for good:
+    a replica that only follows takes no step of its own (on the code before, b never saw a's step)."""
     run = stage_one.run
     a, b, _, ga, gb, half = two_replicas(stage_one)
     full = run.training.global_batch
