@@ -65,7 +65,7 @@ TINY = {
     "rebalance": ["--delays", "0,0.05", "--start", "0,0", "--period", "1", "--hold", "1", "--timeout-s", "90", *LOGS],
     "simulate": ["--peers", "40", "--minutes", "4", "--policies", "swarm,static"],
     "trainers": [
-        *("--steps", "12", "--warmup", "1", "--delays", "0.005,0.01", "--averaging", "int8/diloco3"),
+        *("--steps", "6", "--warmup", "1", "--delays", "0.005,0.01", "--averaging", "int8/diloco3"),
         *("--timeout-s", "240", *LOGS),
     ],
     "verify": ["--steps", "3", "--repeat", "0", "--no-unchecked-liar", "--tail", "2", *LOGS],

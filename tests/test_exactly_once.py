@@ -28,8 +28,8 @@ from swarm.config import load_config
 from swarm.rpc import method_path, pb
 from swarm.wire import encode
 from tests.conftest import CONFIGS
-from tests.harness import ACCUMULATION, TINY, Swarm, peer_record, state
-from tests.processes import start_peer
+from tests.harness import ACCUMULATION, TINY, Swarm, peer_record
+from tests.processes import member_client, start_peer
 
 CONFIG = CONFIGS / "tiny.toml"
 RUN = load_config(CONFIG)
@@ -170,41 +170,39 @@ def test_a_peer_whose_gradients_come_out_non_finite_does_not_make_its_stage_step
 
 
 def test_gradients_that_die_with_a_killed_peer_are_counted_lost_and_none_before_it(processes, tmp_path):
-    """A swarm of tiny.toml with a global batch of 32 microbatches: a0 serves stage 0, b1 and v1 stage 1.
+    """A swarm of tiny.toml with a global batch of 8 microbatches: a0 serves stage 0, b1 and v1 stage 1.
     Mid-run, while v1 holds gradients of microbatches it served toward its stage's next step, its whole
     process group gets SIGKILL. The trainer had their answers and does not send them again, so their
     gradients died with v1: the ledger must count them lost. The steps settled before the kill lost
     nothing, and no microbatch was applied twice."""
     config = tmp_path / "wide.toml"
-    config.write_text(TINY.read_text().replace("global_batch = 16", "global_batch = 256"))
-    micro = load_config(config).training.micro_batch
+    config.write_text(TINY.read_text().replace("global_batch = 16", "global_batch = 64"))
+    run = load_config(config)
+    micro = run.training.micro_batch
     swarm = Swarm(tmp_path, config)
     try:
         for name, stage in (("a0", 0), ("b1", 1), ("v1", 1)):
             swarm.add_peer(name, stage)
-        swarm.wait_online(["a0", "b1", "v1"])
-        steps = 12  # room for the kill (a record fresh enough to say "held" came as late as step 6); 13 full
-        # steps of 256 samples are all the embedded data gives one trainer
+        state = swarm.wait_online(["a0", "b1", "v1"])
+        victim = member_client(swarm.url, run, peer_record(state, "v1"))
+        steps = 8
         swarm.train(steps, 4, 20)
         swarm.wait_steps(3)  # steps settled before the kill, to count too
         victim_log = tmp_path / "v1.steps"
 
         def holds_gradients() -> bool:
-            # v1's record, as the coordinator shows it, is up to REFRESH_S + its read interval old: its
-            # served count is compared with the steps it had taken when it wrote it, and only while its
-            # step log (written at once) shows no later step, so that what it held then it holds now.
-            # (Compared with the step log alone, a late record's count lagged behind the applied one,
-            # and a run of 20 short steps could end before the two ever said "held".)
-            record = peer_record(state(swarm.url), "v1") or {}
+            # v1's own counters (its Info), compared with its step log (written at each step): it served
+            # samples that no step it logged holds. (Read from the coordinator's view, up to REFRESH_S +
+            # its read interval old, the count had to be compared over steps of 256 samples.)
+            info = victim.info()
             applied = step_log(victim_log)
-            if len(applied) != record.get("optimizer_steps", -1):
-                return False
-            return record.get("samples_served", 0) > micro * sum(len(ids) for ids in applied)
+            return len(applied) == info.optimizer_steps and info.samples_served > micro * sum(map(len, applied))
 
         until(holds_gradients, "v1 never held gradients toward a step", timeout=120)
         killed_after = len(swarm.records())
         swarm.peers["v1"].stop(signal.SIGKILL)
-        assert killed_after < steps - 3, "the kill came too late to count"
+        victim.close()
+        assert killed_after < steps - 1, "the kill came too late to count"
         records = swarm.finish_training()
         logs = swarm.applied()
     finally:
