@@ -1,5 +1,5 @@
 """Hostile insiders: peers that hold the run's join token and answer with tensors the trainer cannot
-use. Real processes: a coordinator, peers (one started with the test-only `--malformed` flag), a
+use. Real processes: a coordinator, peers (two started with the test-only `--malformed` flag), a
 trainer. The trainer checks every answer before it uses it (swarm/trainer/loop.py): a bad one is
 blamed on the peer that gave it, the hop is redone on another peer of the stage, and after
 `verify.strikes` bad answers the peer is banned; the run completes every step."""
@@ -7,8 +7,6 @@ blamed on the peer that gave it, the hop is redone on another peer of the stage,
 from __future__ import annotations
 
 import re
-
-import pytest
 
 from tests.conftest import run_cli
 from tests.processes import start_peer, wait_for_state
@@ -21,31 +19,36 @@ STEPS = 20
 STRIKES = 2  # tiny.toml leaves verify.strikes at its default
 
 
-@pytest.mark.parametrize("malformed", ["shape", "nan"])
-def test_a_peer_answering_malformed_tensors_is_banned_and_every_step_completes(processes, tmp_path, malformed):
+def test_peers_answering_malformed_tensors_are_banned_and_every_step_completes(processes, tmp_path):
+    """Two hostile peers of stage 0, one answering tensors of the wrong shape, one answering NaN: each
+    bad answer is blamed on the peer that gave it (never on an honest one) and redone elsewhere, each
+    hostile peer is banned after its strikes, and the run completes every step."""
     swarm = Swarm(tmp_path)
     try:
-        # The honest peer of stage 0 is slower, so that the router sends the hostile one calls: each
+        # The honest peer of stage 0 is slower, so that the router sends the hostile ones calls: each
         # peer's speed is measured as it starts, and on a loaded machine an honest peer that measured
         # faster took every call of the 20 steps (the router sends a call where it expects it done first).
         swarm.add_peer("honest0", 0, "--delay-per-sample", "0.01")
-        swarm.add_peer("hostile", 0, "--malformed", malformed)
+        for malformed in ("shape", "nan"):
+            swarm.add_peer(malformed, 0, "--malformed", malformed)
         swarm.add_peer("honest1", 1)
-        state = swarm.wait_online(["honest0", "hostile", "honest1"])
-        hostile = peer_record(state, "hostile")["peer_id"]
+        state = swarm.wait_online(["honest0", "shape", "nan", "honest1"])
+        hostile = {name: peer_record(state, name)["peer_id"] for name in ("shape", "nan")}
         swarm.train(STEPS, 4, 20, "--verify-fraction", "0")  # no spot checks: the answer checks alone
         records = swarm.finish_training()
         out = swarm.trainer.output()
         assert len(records) == STEPS and records[-1]["microbatches"] == STEPS * ACCUMULATION, out[-3000:]
         assert records[-1]["loss"] < records[0]["loss"]
-        why = "shape" if malformed == "shape" else "contains NaN or Inf"
-        blamed = re.findall(rf"stage 0 peer (\S+) failed \(bad answer: output: [^)]*{why}", out)
-        assert blamed and set(blamed) == {hostile[-8:]}, out[-3000:]  # the honest peers never
-        assert f"bad answers: banned peer {hostile} of stage 0" in out, out[-3000:]
-        # Banned after its strikes: the calls already in flight to it (at most --inflight) can add to them.
-        assert STRIKES <= records[-1]["bad_answers"] <= STRIKES + 4, records[-1]
-        s = wait_for_state(swarm.url, lambda s: any(t.get("spot_banned") for t in s["trainers"]), timeout=15)
-        assert s["trainers"][0]["spot_banned"] == {hostile: 0}
+        for name, why in (("shape", "shape"), ("nan", "contains NaN or Inf")):
+            blamed = re.findall(rf"stage 0 peer (\S+) failed \(bad answer: output: [^)]*{why}", out)
+            assert blamed and set(blamed) == {hostile[name][-8:]}, out[-3000:]  # the honest peers never
+            assert f"bad answers: banned peer {hostile[name]} of stage 0" in out, out[-3000:]
+        # Banned after their strikes: the calls already in flight to one (at most --inflight) can add to them.
+        assert 2 * STRIKES <= records[-1]["bad_answers"] <= 2 * (STRIKES + 4), records[-1]
+        s = wait_for_state(
+            swarm.url, lambda s: any(len(t.get("spot_banned", {})) == 2 for t in s["trainers"]), timeout=15
+        )
+        assert s["trainers"][0]["spot_banned"] == {peer: 0 for peer in hostile.values()}
     finally:
         swarm.close()
 
