@@ -269,7 +269,7 @@ def test_losing_one_peer_of_a_two_by_two_swarm_costs_one_peer(processes, tmp_pat
         for name in names:
             swarm.add_peer(name, int(name[1]), rebalance=True)
         swarm.wait_online(names)
-        steps = 20
+        steps = 12  # 6 before the kill, 6 after it
         swarm.train(steps=steps, inflight=4, timeout=60)
         swarm.wait_steps(6)
         victim = swarm.peers["b1"]
