@@ -32,6 +32,7 @@ from swarm.config import RunConfig, load_config, parse_config
 from swarm.model import Stage
 from tests.conftest import CONFIGS, run_cli
 from tests.harness import ACCUMULATION, Swarm, peer_record
+from tests.processes import wait_for_state
 from tests.test_averaging import FAST_AVERAGING, config_with, parameters
 
 RUN = load_config(CONFIGS / "tiny.toml")
@@ -345,6 +346,9 @@ def test_a_replica_behind_a_resumed_checkpoint_takes_the_state_from_the_resumed_
         swarm.train(steps=4)
         swarm.finish_training()
         wait_for_checkpoint(ckpt, run, 1, 4)
+        # Its record says step 4 before it dies: a record left at step 3 (refreshed every REFRESH_S) lives
+        # on for TTL_S, and with the newcomer's 0 it outvoted the resumed peer's 4 (the trainer began at 3).
+        wait_for_state(swarm.url, lambda s: peer_record(s, "a1")["optimizer_steps"] == 4, timeout=30)
         swarm.peers["a1"].stop(signal.SIGKILL)
 
         # A newcomer without checkpoints finds no live state: it starts stage 1 from the seeded init.
