@@ -45,7 +45,6 @@ from peer.hivemind_compat import (
     adopt_local_state,
     drop_unbegun_round,
     end_epoch_now,
-    fetch_soon,
     offer,
     set_epoch,
     uncount,
@@ -119,15 +118,8 @@ class SwarmUpdater:
         return self.opt.local_epoch
 
     def served(self, pending: int) -> None:
-        """Tell the stage's tracker how many samples this peer holds gradients for. With the step's
-        first samples, it fetches what the other replicas hold now: its last fetch may have found the
-        stage idle, and with nothing to time the next one by it would wait MAX_REFRESH_S."""
-        tracker = self.opt.tracker
-        mine = tracker.local_progress
-        first = mine.epoch != self.epoch or mine.samples_accumulated == 0
-        tracker.report_local_progress(self.epoch, self.declared(pending))
-        if first and pending > 0:
-            fetch_soon(tracker, self.MIN_REFRESH_S)
+        """Tell the stage's tracker how many samples this peer holds gradients for."""
+        self.opt.tracker.report_local_progress(self.epoch, self.declared(pending))
 
     def ready(self, pending: int) -> bool:
         """Time to take the step: the stage as a whole served the global batch (and hivemind sees the

@@ -319,16 +319,6 @@ def count_alone(tracker: ProgressTracker) -> None:
         tracker.global_progress.num_peers = 1
 
 
-def fetch_soon(tracker: ProgressTracker, within: float) -> None:
-    """Have the tracker fetch the stage's progress within `within` s, whenever its own timing said. It
-    times the next fetch by the step's expected end, which a stage that served nothing puts at its
-    longest wait; hivemind has no public way to ask for one (its fetcher wakes on
-    `global_state_updated` and then waits until `next_fetch_time`)."""
-    progress = tracker.global_progress
-    progress.next_fetch_time = min(progress.next_fetch_time, get_dht_time() + within)
-    tracker.global_state_updated.set()
-
-
 def end_epoch_now(tracker: ProgressTracker) -> None:
     """End the current epoch though its count falls short (the trainer has moved on): hivemind's
     tracker ends one only on the count or once its estimated time of arrival has passed, so the

@@ -17,8 +17,6 @@ from peer.hivemind_compat import CappedGradientAverager, CappedPowerSGDAverager
 from swarm.config import AveragingConfig, RunConfig
 from swarm.records import TTL_S
 
-MAX_REFRESH_S = 3.0  # the longest a replica's tracker goes without fetching the stage's progress
-
 
 def stage_optimizer(
     run: RunConfig,
@@ -58,18 +56,17 @@ def stage_optimizer(
         # replica that missed a round loads the others' state instead (`behind`).
         average_state_every=2**31 - 1,
         averager_opts={"request_timeout": a.request_timeout_s},
-        # hivemind's tracker times each fetch by the step's expected end: 40% of the way there in a
-        # 2-replica stage, then again, down to `min_refresh_s` near it. diloco: up to 10 times a second
-        # near the end (an inner step has no all-reduce, so the fetch sets its pace: a 2 x 2 swarm on
-        # tiny.toml at 20 Mbit/s went from 3,392-3,667 tokens/s to 4,460). Far from it, or with nothing
-        # to go by (a stage that serves nothing), every MAX_REFRESH_S: each fetch is a DHT lookup of
-        # every node, and at twice a second the trackers of an idle 2 x 2 swarm made half of its DHT
-        # calls (`SwarmUpdater.served` fetches at once when a step's first samples come). A dead peer's
-        # report expires as fast as its swarm record does.
+        # Fetch the stage's progress often (the step waits for it), but not more than 4 times a
+        # second: each fetch is a DHT lookup of every node, and at 10 a second the trackers of a
+        # 2 x 2 swarm made a quarter of each DHT node's RPCs. diloco: up to 10 times a second near
+        # the step's expected end (hivemind's tracker fetches by it): an inner step has no
+        # all-reduce, so the fetch sets its pace (a 2 x 2 swarm on tiny.toml at 20 Mbit/s went
+        # from 3,392-3,667 tokens/s to 4,460). A dead peer's report expires as fast as its
+        # swarm record does.
         tracker_opts={
             "min_refresh_period": min_refresh_s,
-            "max_refresh_period": MAX_REFRESH_S,
-            "default_refresh_period": MAX_REFRESH_S,
+            "max_refresh_period": 0.5,
+            "default_refresh_period": 0.5,
             "metadata_expiration": TTL_S,
             # The node's key rather than hivemind's process-wide one: two replicas in one process
             # (tests) would otherwise write each other's progress report.
