@@ -338,17 +338,16 @@ def test_two_trainers_on_one_run_train_disjoint_windows(processes, tmp_path: Pat
         shards_a, shards_b = {s for s, _ in a}, {s for s, _ in b}
         assert not shards_a & shards_b, (shards_a, shards_b)
         print(f"trainer a read shards {sorted(shards_a)}, trainer b {sorted(shards_b)}")
-        # The stages step every global batch of samples, from either trainer, and each trainer names
-        # the step the stages reached: its steps rise, by more than one where the other's samples
-        # completed a step, so the run ends past the steps that either trained alone. How far past depends on
-        # how the two overlapped (a run of 12 steps each under load ended at step 15).
+        # Each trainer names the step the stages reached after each of its own: the steps rise. How far
+        # they rise depends on how the two overlapped: a stage steps once it holds a global batch from
+        # either trainer, so two trainers in lockstep complete a step together (both named steps 0-5 in
+        # one run of 6 steps each), and two that drift apart name steps past their own count.
         steps = {
             n: [json.loads(line)["step"] for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()] for n in "ab"
         }
         for name, s in steps.items():
             assert len(s) == each and all(x < y for x, y in zip(s, s[1:], strict=False)), (name, s)
         print(f"steps of trainer a: {steps['a']}, of trainer b: {steps['b']}")
-        assert max(s[-1] for s in steps.values()) > each - 1, steps
     finally:
         stop_all(procs)
 
