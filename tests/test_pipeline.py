@@ -232,6 +232,11 @@ def test_worker_reports_itself(processes, tmp_path):
         data = TrainStream.local(run.data, run.model.seq_len, run.training.seed)
         for i in range(run.training.accumulation):
             microbatch(pipe, data.next_microbatch(run.training.micro_batch), 0, f"m{i}")
+        # The step follows the global batch's last backward, which answers first: on a loaded machine
+        # the first look came before it (optimizer_steps 0).
+        deadline = time.monotonic() + 30
+        while min(c.info().optimizer_steps for c in pipe.clients) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
         info = pipe.clients[1].info()
         assert (info.run_id, info.stage, info.num_stages, info.codec) == (run.run_id, 1, 2, "none")
         assert info.model_hash == run.model_hash()
