@@ -99,12 +99,16 @@ class SwarmUpdater:
         self.alone_at = 0.0  # when `settling` last looked for live partners
         self.failed_loads = 0  # loads in a row that brought nothing new while missed
         self.loaded_at: int | None = None  # the step of the last load of the stage's state
+        self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, run.averaging.sync_timeout_s, idle)
         self.check = ReplicaCheck(
-            dht, run.run_id, stage, sources=lambda: {PeerID(p).to_base58() for p in self._state_holders()}
+            dht,
+            run.run_id,
+            stage,
+            sources=lambda: {PeerID(p).to_base58() for p in self._state_holders()},
+            members=lambda: self.norms.members(stage),
         )
         self.last_step: dict = {}
         self.rounds: collections.deque[float] = collections.deque(maxlen=self.ROUND_HISTORY)  # seconds, groups >= 2
-        self.norms = NormExchange(dht, run.run_id, run.stages.count, stage, run.averaging.sync_timeout_s, idle)
         self.opt = stage_optimizer(run, dht, self.prefix, self._hivemind_params(), self.MIN_REFRESH_S)
         self.tracker_view = TrackerView(self.opt.tracker)
         self.count = StageCount(self.opt, run, stage, self.norms)
@@ -183,7 +187,7 @@ class SwarmUpdater:
         scaled by for the all-reduce, undone when no step is taken."""
         if force and not self.ready(pending):
             end_epoch_now(self.opt.tracker)
-        step_round = StepRound(self.opt, self.run, self.stage, self.tracker_view)
+        step_round = StepRound(self.opt, self.run, self.stage, self.tracker_view, self.norms.members(self.stage))
         before = self.norms.step = self.epoch
         if not step_round.take(self.declared(pending), self._stall_s()):
             # No step (`uncount`): take back what hivemind counted and the scaling, so that a next try

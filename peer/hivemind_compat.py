@@ -268,13 +268,15 @@ def tracked_partners(opt: hivemind.Optimizer) -> dict[bytes, dict]:
     report): those an all-reduce would look for, the dead among them until their reports expire.
     hivemind shows only how many there are; they are read from its tracker's key in the DHT."""
     found = opt.dht.get(opt.tracker.training_progress_key, latest=True)
-    if found is None or not isinstance(found.value, dict):
+    return _partners(found.value if found is not None else None, opt.dht.peer_id.to_bytes())
+
+
+def _partners(reports, me: bytes) -> dict[bytes, dict]:
+    """The reports of the tracker's key (subkey -> an entry with its value), by the peer id of each
+    replica but `me` that made one."""
+    if not isinstance(reports, dict):
         return {}
-    me, partners = opt.dht.peer_id.to_bytes(), {}
-    for item in found.value.values():
-        if (peer := _reporter(item)) is not None and peer != me:
-            partners[peer] = item.value
-    return partners
+    return {peer: item.value for item in reports.values() if (peer := _reporter(item)) is not None and peer != me}
 
 
 class TrackerView:
@@ -298,6 +300,14 @@ class TrackerView:
         (a loaded machine) and reports a later step counts again: left out for good, it hid the stage's
         step from a replica that follows the stage without serving, which then never caught up."""
         self.gone, self.gone_at = gone, step
+
+    def partners(self, opt: hivemind.Optimizer) -> dict[bytes, dict]:
+        """`tracked_partners` as of the tracker's last fetch (at most its max_refresh_period old, the
+        fetch that told it the step is due), or read from the DHT before its first fetch: one DHT read
+        less per step and replica."""
+        if not self.fetched:
+            return tracked_partners(opt)
+        return _partners(self.fetched, opt.dht.peer_id.to_bytes())
 
     def _without_gone(self, metadata):
         self.fetched = metadata if isinstance(metadata, dict) else {}

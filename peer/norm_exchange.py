@@ -61,7 +61,10 @@ class NormExchange:
 
     def members(self, stage: int) -> set[str]:
         """The peer ids of `stage`, read again once the last read is MEMBERS_MAX_AGE_S old: a step's
-        polls would otherwise read every stage's records on every look at the shares."""
+        polls would otherwise read every stage's records on every look at the shares. The updater's
+        step round and replica check read their own stage's members here too (a DHT read each, per
+        step, before; a peer that joined or left the stage is seen within MEMBERS_MAX_AGE_S, far
+        less than a record's TTL_S)."""
         read_at, members = self.members_read.get(stage, (-math.inf, set()))
         if time.monotonic() - read_at > self.MEMBERS_MAX_AGE_S:
             members = stage_members(self.dht, self.run_id, stage)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import hivemind
 import torch
 
-from swarm.records import WeightsDigest, publish_digest, read_digests
+from swarm.records import WeightsDigest, publish_digest, read_digests, stage_members
 
 
 def weights_digest(module: torch.nn.Module, sample: int = 65536) -> str:
@@ -40,9 +40,18 @@ class ReplicaCheck:
 
     WAIT_S = 5.0  # how long after its step a replica keeps looking for the others' digests
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, stage: int, sources: Callable[[], set[str]] = set):
-        """`sources`: the peer ids (base58) of the replicas that offer the stage's state, read at a tie."""
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        stage: int,
+        sources: Callable[[], set[str]] = set,
+        members: Callable[[], set[str]] | None = None,
+    ):
+        """`sources`: the peer ids (base58) of the replicas that offer the stage's state, read at a tie;
+        `members`: the peer ids with a record in the stage (default: read from the DHT at each look)."""
         self.dht, self.run_id, self.stage, self.sources = dht, run_id, stage, sources
+        self.members = members or (lambda: stage_members(dht, run_id, stage))
         self.me = dht.peer_id.to_base58()
         self.mine: tuple[int, str] | None = None
         self.settled = True  # nothing to check until the first step
@@ -62,7 +71,7 @@ class ReplicaCheck:
         if self.settled or self.mine is None or time.monotonic() < self.next_check:
             return False
         self.next_check = time.monotonic() + 0.5
-        digests = read_digests(self.dht, self.run_id, self.stage, self.mine[0])
+        digests = read_digests(self.dht, self.run_id, self.stage, self.mine[0], self.members)
         if len(digests) >= expected or time.monotonic() - self.published_at > self.WAIT_S:
             self.settled = True
         if len(digests) < 2:

@@ -17,7 +17,7 @@ from hivemind.utils import get_dht_time
 from peer.hivemind_compat import TrackerView, count_alone, group_size, spent_round, tracked_partners
 from swarm.config import RunConfig
 from swarm.receipts import sample_caps
-from swarm.records import TTL_S, answering, read_trainers, stage_members
+from swarm.records import TTL_S, answering, read_trainers
 
 log = logging.getLogger("swarm.averaging")
 
@@ -126,16 +126,16 @@ class StepRound:
     """The all-reduce of one step: the replicas it waits for (`partners`), the most each may weigh, the
     group size at which it may start, and then how many replicas it gathered."""
 
-    def __init__(self, opt: hivemind.Optimizer, run: RunConfig, stage: int, view: TrackerView):
-        """Sets the round up: `view` leaves the replicas that do not answer out of hivemind's count."""
+    def __init__(self, opt: hivemind.Optimizer, run: RunConfig, stage: int, view: TrackerView, members: set[str]):
+        """Sets the round up: `view` lists the replicas hivemind's tracker counts, and leaves those that do
+        not answer out of its count; `members`: the peer ids with a record in the stage."""
         self.opt, self.run, self.stage = opt, run, stage
-        tracked = tracked_partners(opt)
+        tracked = view.partners(opt)
         self.partners = live_partners(opt, tracked)
         view.leave_out(set(tracked) - set(self.partners), opt.local_epoch)
         if not self.partners:
             # No other replica of the stage is there to average with: step alone at once.
             count_alone(opt.tracker)
-        members = stage_members(opt.dht, run.run_id, stage)
         opt.grad_averager.cap(self._caps(members))
         opt.grad_averager.expect(self._group_target(members))
         self.step, self.spent = opt.local_epoch, spent_round(opt)

@@ -599,18 +599,29 @@ def stage_norms(shares: list[NormShare], step: int, members: dict[int, set[str]]
     return {stage: statistics.median(values) for stage, values in by_stage.items()}
 
 
-def read_replica_digests(dht: hivemind.DHT, run_id: str, stage: int, step: int | None = None) -> list[WeightsDigest]:
+def read_replica_digests(
+    dht: hivemind.DHT,
+    run_id: str,
+    stage: int,
+    step: int | None = None,
+    members: Callable[[], set[str]] | None = None,
+) -> list[WeightsDigest]:
     """The digest each replica of `stage` published last (with the step it was taken after; only those
-    after `step` when given): only those signed by a peer with a record in the stage now."""
+    after `step` when given): only those signed by a peer with a record in the stage now (`members`:
+    those peer ids, when the caller keeps them; read from the DHT otherwise)."""
     digests = _read(dht, digest_key(run_id, stage), WeightsDigest, lambda r: r.peer_id, self_signed=True)
     digests = [d for d in digests if d.stage == stage and (step is None or d.step == step)]
-    members = stage_members(dht, run_id, stage) if digests else set()
-    return [d for d in digests if d.peer_id in members]
+    if not digests:
+        return []
+    stage_ids = members() if members is not None else stage_members(dht, run_id, stage)
+    return [d for d in digests if d.peer_id in stage_ids]
 
 
-def read_digests(dht: hivemind.DHT, run_id: str, stage: int, step: int) -> dict[str, str]:
+def read_digests(
+    dht: hivemind.DHT, run_id: str, stage: int, step: int, members: Callable[[], set[str]] | None = None
+) -> dict[str, str]:
     """The digests of the weights the replicas of `stage` hold after `step`, by peer id."""
-    return {d.peer_id: d.digest for d in read_replica_digests(dht, run_id, stage, step)}
+    return {d.peer_id: d.digest for d in read_replica_digests(dht, run_id, stage, step, members)}
 
 
 class SwarmView(BaseModel):
