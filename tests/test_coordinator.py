@@ -131,7 +131,7 @@ def test_expired_records_vanish_from_state(coordinator: str, client_dht):
 
     seen = wait_for_state(coordinator, listed)
     assert seen["stages"][0]["online"] == 0  # a joining peer is listed but not counted
-    wait_for_state(coordinator, lambda s: not listed(s), timeout=8.0)
+    wait_for_state(coordinator, lambda s: not listed(s), timeout=30)  # a bound: it expires 2 s after its store
 
 
 def test_openapi_docs_health_and_unknown_paths(coordinator: str):

@@ -260,7 +260,7 @@ def test_a_peer_corrupting_its_outputs_is_banned_and_gets_no_more_traffic(proces
         applied = [s["step"] for s in swarm.applied() if s["peer"] == "liar" and s["microbatches"]]
         assert not applied or max(applied) <= step + 2, applied
         # The coordinator shows the checks and the ban, and reports it as an event naming the peer.
-        s = wait_for_state(swarm.url, lambda s: any(t["spot_bans"] for t in s["trainers"]), timeout=15)
+        s = wait_for_state(swarm.url, lambda s: any(t["spot_bans"] for t in s["trainers"]), timeout=30)
         trainer = s["trainers"][0]
         assert trainer["spot_banned"] == {liar: 1} and trainer["spot_bans"] == 1
         assert trainer["spot_checks"] >= steps * ACCUMULATION * 0.25
