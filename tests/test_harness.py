@@ -19,10 +19,14 @@ def test_ending_a_tests_leftovers_spares_torchs_shared_memory_manager(processes)
     test's leftovers, the next shared tensor freed (hivemind's step controls hold some) aborts the run."""
     before = own_children()
     shared = torch.zeros(4).share_memory_()
-    managers = [pid for pid in os.listdir("/proc") if pid.isdigit() and command_name(int(pid)) == "torch_shm_manag"]
+    # This process's own manager (its child): the managers of other tests' processes (another xdist
+    # worker's swarm) end with those processes, whenever that worker's tests end them.
+    managers = [
+        pid for pid, _, ppid, _ in process_table() if ppid == os.getpid() and command_name(pid) == "torch_shm_manag"
+    ]
     assert managers, "no torch_shm_manager running after share_memory_()"
     end_groups(own_children() - before)
-    assert all(command_name(int(pid)) for pid in managers), "torch's shared-memory manager was ended"
+    assert all(command_name(pid) for pid in managers), "torch's shared-memory manager was ended"
     del shared
     torch.zeros(4).share_memory_()  # with its manager gone, this (or the free above) aborts the process
 
