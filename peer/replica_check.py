@@ -11,7 +11,7 @@ from collections.abc import Callable
 import hivemind
 import torch
 
-from swarm.records import WeightsDigest, publish_digest, read_digests, stage_members
+from swarm.records import WeightsDigest, publish_digest, read_digests
 
 
 def weights_digest(module: torch.nn.Module, sample: int = 65536) -> str:
@@ -49,9 +49,9 @@ class ReplicaCheck:
         members: Callable[[], set[str]] | None = None,
     ):
         """`sources`: the peer ids (base58) of the replicas that offer the stage's state, read at a tie;
-        `members`: the peer ids with a record in the stage (default: read from the DHT at each look)."""
+        `members`: the peer ids with a record in the stage (None: read from the DHT at each look)."""
         self.dht, self.run_id, self.stage, self.sources = dht, run_id, stage, sources
-        self.members = members or (lambda: stage_members(dht, run_id, stage))
+        self.members = members
         self.me = dht.peer_id.to_base58()
         self.mine: tuple[int, str] | None = None
         self.settled = True  # nothing to check until the first step
