@@ -11,7 +11,8 @@ when it forks (checked), so the children are as clean as a new interpreter. The 
 process that started it closes its end of the pipe (it exits, or is killed).
 
 Protocol, one JSON object a line: the starting process writes {"args", "cwd", "env", "log", "err", "netns"};
-the zygote answers {"started": pid} and later, for each child, {"exited": pid, "code": returncode}.
+the zygote answers {"started": pid} once the child leads a process group of its own, and later, for each
+child, {"exited": pid, "code": returncode}.
 """
 
 from __future__ import annotations
@@ -109,12 +110,14 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
-def become(request: dict, locks: list[tuple[object, str]]) -> None:
+def become(request: dict, locks: list[tuple[object, str]], leads: int) -> None:
     """In a fresh fork: become `python -m swarm.cli ARGS` and never return (SystemExit unwinds the
-    zygote's loop, so the interpreter exits as that command's would; so does an error here)."""
+    zygote's loop, so the interpreter exits as that command's would; so does an error here). `leads`:
+    the pipe it closes once it leads a process group of its own."""
     renew(locks)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()
+    os.close(leads)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -167,9 +170,17 @@ def serve() -> None:
     answer({"ready": os.getpid()})
     for line in sys.stdin:
         request = json.loads(line)
+        # "started" only once the child leads its process group (os.setsid), so that whoever signals the
+        # group (os.killpg(pid), as swarm.children.Proc does) reaches it: a SIGTERM sent right after the
+        # start found no group, was dropped, and the peer went on to serve until SIGKILLed.
+        led, leads = os.pipe()
         pid = os.fork()
         if pid == 0:
-            become(request, locks)
+            os.close(led)
+            become(request, locks, leads)
+        os.close(leads)
+        os.read(led, 1)  # b"" once the child closed its end (or died)
+        os.close(led)
         answer({"started": pid})
 
 

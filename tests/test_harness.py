@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 from hivemind.utils.mpfuture import MPFuture
@@ -49,6 +50,23 @@ def test_a_command_forked_from_the_zygote_runs_as_a_new_interpreter_would(proces
     end_groups({pid})
     assert proc.popen.wait(15) is not None and process_row(pid) is None
     assert process_row(z) is not None
+
+
+def test_a_command_signalled_the_moment_it_starts_ends(processes, tmp_path):
+    """The zygote says a command started once it leads its process group, so that a signal to the group
+    sent at once reaches it. Sent before, it found no group and was dropped (ProcessLookupError): a peer
+    started as a benchmark stopped its swarm went on to serve until it was SIGKILLed 15 s later."""
+    # Peers of a coordinator nobody serves: they keep trying it for --join-wait's 300 s.
+    procs = [child(["peer", "--coordinator", "http://127.0.0.1:1"], tmp_path / f"p{i}.log") for i in range(3)]
+    try:
+        for proc in procs:
+            proc.signal_group(signal.SIGTERM)
+        codes = [proc.popen.wait(15) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.signal_group(signal.SIGKILL)
+            proc.close()
+    assert codes == [-signal.SIGTERM] * len(procs), [proc.output() for proc in procs]
 
 
 def process_row(pid: int) -> tuple[int, str, int, int] | None:
