@@ -39,7 +39,7 @@ from hivemind.utils import get_dht_time
 
 from peer.checkpoint import writable_dir
 from peer.options import PeerOptions
-from peer.reach import PeerReach, behind_nat
+from peer.reach import PeerReach, reach_before_serving, unreachable
 from peer.resume import StageLoader
 from peer.service import start_server
 from peer.throughput import cached_throughput, capacity, link_speed, sample_bytes
@@ -334,8 +334,8 @@ def run_peer(options: PeerOptions) -> int:
 
     host = options.host
     dht_host = host if host not in ("", "::") else "0.0.0.0"
-    unreachable = behind_nat(options, dht_host)
-    if unreachable:
+    reach = reach_before_serving(options, dht_host)
+    if unreachable(reach):
         log.info("the coordinator cannot dial this machine: its DHT node dials out only (client mode)")
     run, initial_peers, dht, member = join_dht(
         options.coordinator,
@@ -346,7 +346,7 @@ def run_peer(options: PeerOptions) -> int:
         host=dht_host,
         port=options.dht_port,
         announce_host=options.announce_host,
-        client_mode=unreachable,
+        client_mode=unreachable(reach),
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -365,7 +365,7 @@ def run_peer(options: PeerOptions) -> int:
             counts = [len(view.stages[k]) for k in range(run.stages.count)]
             stage = pick_stage(stage_totals(view), counts, fits)
         peer.serve(stage)
-        peer.reach.check()
+        peer.reach.check(reach)
         if options.relay > 0:
             peer.reach.run_relay(options.relay)
         me = peer.record.public_name or peer.record.peer_id  # the dashboard's ?peer= takes either

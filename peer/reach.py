@@ -31,20 +31,24 @@ def any_relay(dht, run: RunConfig) -> bool:
     return any(p.relay for s in read_swarm(dht, run.run_id, run.stages.count).stages for p in s)
 
 
-def behind_nat(options: PeerOptions, host: str) -> bool:
-    """Whether the coordinator cannot dial this machine, asked before anything serves: on two listening
-    sockets standing in for the stage service and the DHT node (on their ports when fixed), so that a
-    peer behind a router starts its DHT node in client mode (hivemind's: it dials out only, and no one
-    waits on it) and its gradient averager with it. False when the coordinator cannot say."""
+def reach_before_serving(options: PeerOptions, host: str) -> dict | None:
+    """The coordinator's dial-back answer (coordinator/api_reachability.py) on this machine, asked before
+    anything serves: on two listening sockets standing in for the stage service and the DHT node (on
+    their ports when fixed). A peer it finds unreachable starts its DHT node in client mode (hivemind's:
+    it dials out only, and no one waits on it) and its gradient averager with it. None when the
+    coordinator cannot say."""
     try:
         with socket.create_server((host, options.port)) as stage, socket.create_server((host, options.dht_port)) as dht:
             announced = announce_address(host, stage.getsockname()[1], options.announce_host)
             name, dht_port = announced.rpartition(":")[0], dht.getsockname()[1]
             maddr = f"/ip6/{name.strip('[]')}/tcp/{dht_port}" if ":" in name else f"/ip4/{name}/tcp/{dht_port}"
-            found = dial_back(options.coordinator, options.join_token, announced, [maddr], timeout=15)
+            return dial_back(options.coordinator, options.join_token, announced, [maddr], timeout=15)
     except (OSError, ConfigError):  # a port taken, a coordinator not up: the start says so itself, later
-        return False
-    return found.get("reach") == "unreachable"
+        return None
+
+
+def unreachable(found: dict | None) -> bool:
+    return found is not None and found.get("reach") == "unreachable"
 
 
 class Announcing(Protocol):
@@ -74,10 +78,17 @@ class PeerReach:
             return self.relay.address
         return announce_address(self.options.host, self.peer.port, self.options.announce_host)
 
-    def check(self) -> None:
+    def check(self, before: dict | None = None) -> None:
         """Ask the coordinator to dial this peer back (coordinator/api_reachability.py); announce what it
-        found, and when nobody can reach this peer, say what to change."""
+        found, and when nobody can reach this peer, say what to change. `before`: its answer before this
+        peer served (`reach_before_serving`). When that found this machine unreachable and there is a
+        relay, the peer goes to the relay at once: a second dial-back of a machine nobody can dial waits
+        out a connect timeout (DIAL_TIMEOUT_S) for the same answer."""
         r = self.peer.record
+        if unreachable(before) and (before.get("relay") or any_relay(self.dht, self.run)):
+            self.peer.announce(reach=before["reach"])
+            self.serve_through(before.get("relay"))
+            return
         try:
             found = dial_back(self.options.coordinator, self.options.join_token, r.address, r.dht_addrs)
         except ConfigError as err:
