@@ -193,13 +193,15 @@ def final_loss(records: list[dict]) -> float:
 
 
 def test_lossy_codecs_train_like_the_uncompressed_run(processes, tmp_path):
-    steps, codecs = 50, ("none", "fp16", "bf16", "int8")
+    # 25 steps take the reference from chance (ln 256 = 5.55) to about 3.0; the codecs' losses were within
+    # 0.04% of it there (the bound is 3%); 50 steps took 15 s more.
+    steps, codecs = 25, ("none", "fp16", "bf16", "int8")
     # Four independent pipelines, side by side: each spends much of its time waiting (interpreters
     # importing torch, one stage for the other), so together they take about as long as two in a row.
     with ThreadPoolExecutor(len(codecs)) as pool:
         runs = dict(zip(codecs, pool.map(lambda codec: run_pipeline(tmp_path, codec, steps), codecs), strict=True))
     reference = runs["none"]
-    assert len(reference) == steps and final_loss(reference) < 3.0
+    assert len(reference) == steps and final_loss(reference) < 3.5
     for codec in codecs[1:]:
         records = runs[codec]
         assert len(records) == steps

@@ -7,6 +7,8 @@ from tests.conftest import CONFIGS, run_cli
 
 
 def test_local_trainer_learns_the_embedded_corpus(processes, tmp_path):
+    # 50 steps of tiny.toml: loss 2.56 and val loss 2.54 at the last (chance: ln 256 = 5.55), in 12.5 s.
+    steps = 50
     log = tmp_path / "log.jsonl"
     result = run_cli(
         "train",
@@ -14,7 +16,7 @@ def test_local_trainer_learns_the_embedded_corpus(processes, tmp_path):
         "--config",
         str(CONFIGS / "tiny.toml"),
         "--steps",
-        "120",
+        str(steps),
         "--log-json",
         str(log),
         "--device",
@@ -22,13 +24,13 @@ def test_local_trainer_learns_the_embedded_corpus(processes, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(120))
+    assert [r["step"] for r in records] == list(range(steps))
     for r in records:
         assert {"step", "loss", "tokens", "tokens_per_s", "elapsed_s"} <= r.keys()
     assert abs(records[0]["loss"] - math.log(256)) < 0.3  # starts at chance
     assert records[-1]["loss"] < 3.0
     assert records[-1]["val_loss"] < 3.0
-    assert records[-1]["tokens"] == 120 * 16 * 128
+    assert records[-1]["tokens"] == steps * 16 * 128
     assert "summary" in result.stdout and "final val loss" in result.stdout
     assert "loss=" in result.stderr  # the progress bar
 
