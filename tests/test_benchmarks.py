@@ -263,8 +263,9 @@ def test_averaging_smoke_counts_the_bytes_its_all_reduces_moved(processes, tmp_p
     per_step = float(every["averaging bytes / param / step"])
     assert 0.5 < per_step < 4, every
     # One int8 round in the 3 steps: about 2 bytes a value over 3 steps. (The gradients run may have
-    # averaged alone in a step, so its figure is between one and three rounds' worth.)
-    assert 0 < float(diloco["averaging bytes / param / step"]) < min(per_step, 1.0), (diloco, every)
+    # averaged alone in a step, so its figure is between one and three rounds' worth: beside two busy
+    # loops it averaged once in its 3 steps, and both figures were 0.68.)
+    assert 0 < float(diloco["averaging bytes / param / step"]) <= min(per_step, 1.0), (diloco, every)
 
 
 @about("pipeline")

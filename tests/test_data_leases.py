@@ -138,7 +138,9 @@ def test_an_unknown_lease_id_is_not_found_with_a_message(guarded: str):
 
 def test_shards_go_to_one_trainer_at_a_time_and_expire_to_the_next_at_the_reported_offset(processes, tmp_path: Path):
     config = files_config(tmp_path, shard_files(tmp_path / "data"))
-    ttl = 5.0  # long enough for the requests between two renewals on a busy machine
+    # Long enough for the requests between two renewals on a busy machine: at 5 s, the six requests after
+    # the last keep-alive took longer beside two busy loops, and the others' leases had expired (404).
+    ttl = 10.0
     proc, url = start_coordinator(config, tmp_path / "c.log", "--lease-ttl", str(ttl))  # an open run
     seed = load_config(config).training.seed
     try:
