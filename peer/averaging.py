@@ -124,6 +124,8 @@ class SwarmUpdater:
     def served(self, pending: int) -> None:
         """Tell the stage's tracker how many samples this peer holds gradients for."""
         self.opt.tracker.report_local_progress(self.epoch, self.declared(pending))
+        if pending > 0:
+            self.tracker_view.wake()
 
     def ready(self, pending: int) -> bool:
         """Time to take the step: the stage as a whole served the global batch (and hivemind sees the

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from benchmarks.rebalance import best_min_total, stage_totals
 from peer.averaging import SwarmUpdater
 from peer.contribution import clip_contribution, drop_grads, grads_finite
-from peer.hivemind_compat import step_bits, tracked_partners
+from peer.hivemind_compat import TrackerView, step_bits, tracked_partners
 from peer.norm_exchange import NormExchange
 from peer.options import Faults
 from peer.replica_check import ReplicaCheck, weights_digest
@@ -274,6 +274,28 @@ def stage_one(tmp_path):
     stage = StageOne(run)
     yield stage
     stage.close()
+
+
+def test_an_idle_stage_fetches_its_progress_seldom_and_at_once_when_it_serves(processes, stage_one, monkeypatch):
+    """Idle, a replica's tracker stops fetching the stage's progress every half second (each fetch asks
+    every DHT node near the key); the first samples it serves bring a fetch at once."""
+    monkeypatch.setattr(TrackerView, "IDLE_AFTER_S", 1.0)
+    monkeypatch.setattr(TrackerView, "IDLE_REFRESH_S", 30.0)  # longer than the test: any fetch seen is woken
+    a = stage_one.replica(stage_one.node(stage=1))
+    fetched: list[float] = []
+    parse = a.tracker_view._parse
+    a.tracker_view._parse = lambda metadata: (fetched.append(time.monotonic()), parse(metadata))[1]
+    time.sleep(3.0)  # idle for longer than IDLE_AFTER_S, and a fetch after that
+    fetched.clear()
+    time.sleep(4.0)
+    assert len(fetched) <= 1, f"{len(fetched)} fetches in 4 s of an idle stage"  # every 0.5 s: 8
+    served = time.monotonic()
+    a.served(8)
+    deadline = served + 10
+    while not fetched or fetched[-1] < served:
+        assert time.monotonic() < deadline, "no fetch after serving"
+        time.sleep(0.02)
+    assert a.opt.tracker.global_progress.samples_accumulated == 8
 
 
 def loads_within_a_step(replica: SwarmUpdater) -> int:
