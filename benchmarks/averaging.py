@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import get_args
 
 from benchmarks.common import (
-    ROOT,
     Proc,
     averaging_spec,
     final_loss,
@@ -45,6 +42,7 @@ from benchmarks.common import (
     log_dir,
     read_jsonl,
     read_step_logs,
+    run_to_end,
     spec_name,
     start_coordinator,
     start_peer,
@@ -131,18 +129,10 @@ def run_swarm(config: Path, stages: int, replicas: int, steps: int, tmp: Path) -
         wait_online(url, peers)
         log_json = tmp / "train.jsonl"
         started = time.monotonic()
-        trainer = subprocess.run(
-            [sys.executable, "-m", "swarm.cli", "train", "--coordinator", url, "--steps", str(steps)]
-            + ["--log-json", str(log_json)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=None,  # the progress bar shows
-            text=True,
-        )
+        args = ["train", "--coordinator", url, "--steps", str(steps), "--log-json", str(log_json)]
+        out = run_to_end(args, tmp / "trainer.log", procs)
         wall = time.monotonic() - started
-        if trainer.returncode != 0:
-            raise RuntimeError(f"the swarm trainer exited with {trainer.returncode}:\n{trainer.stdout[-3000:]}")
-        print(trainer.stdout, flush=True)
+        print(out[out.rfind("summary") :], flush=True)
     finally:
         stop_all(procs)
     moved = sum(entry.get("reduced_bytes", 0) for entry in read_step_logs(step_logs))
@@ -157,11 +147,9 @@ def run(args: argparse.Namespace) -> str:
     print(f"reference: swarm train --local, {args.steps} steps", flush=True)
     local_log, local_config = tmp / "local.jsonl", tmp / "local.toml"
     local_config.write_text(with_eval_batches(Path(args.config).read_text(), args.eval_batches))
-    subprocess.run(
-        [sys.executable, "-m", "swarm.cli", "train", "--local", "--config", str(local_config)]
-        + ["--steps", str(args.steps), "--log-json", str(local_log)],
-        cwd=ROOT,
-        check=True,
+    run_to_end(
+        ["train", "--local", "--config", str(local_config), "--steps", str(args.steps), "--log-json", str(local_log)],
+        tmp / "local.log",
     )
     local = read_jsonl(local_log)
     curves = {"reference (--local)": local}

@@ -64,6 +64,32 @@ def wait_online(url: str, peers: dict[str, Proc], timeout: float = 120) -> None:
     print(f"peers online: {', '.join(peers)}", flush=True)
 
 
+def run_to_end(args: list[str], log: Path, procs: list[Proc] | None = None, every: float = 15.0) -> str:
+    """`swarm ARGS` (a trainer) run to its end, output to `log` (forked from the zygote with
+    SWARM_ZYGOTE=1, as the swarm's other commands: a new interpreter's imports cost about 3 s of CPU);
+    its output. Appended to `procs`, when given, so that the caller's `stop_all` ends it if this is
+    interrupted. Every `every` s its progress bar's latest line is printed. RuntimeError with the
+    output's tail when it fails."""
+    proc = Proc(args, log)
+    if procs is not None:
+        procs.append(proc)
+    try:
+        shown = time.monotonic()
+        while proc.popen.poll() is None:
+            time.sleep(0.2)
+            if time.monotonic() - shown > every:
+                shown = time.monotonic()
+                lines = [line for line in re.split(r"[\r\n]", proc.output()) if line.strip()]
+                print(f"  {lines[-1].strip()[:160]}" if lines else "  (no output yet)", flush=True)
+    finally:
+        if procs is None:
+            stop_all([proc])
+    out = proc.output()
+    if proc.popen.returncode != 0:
+        raise RuntimeError(f"swarm {args[0]} exited with {proc.popen.returncode}:\n{out[-3000:]}")
+    return out
+
+
 def log_dir(path: str | None, name: str) -> Path:
     """--log-dir, or a new /tmp/swarm-NAME-* folder; says where the logs go. A --log-dir that holds
     files already is refused: the peers append to the step logs they find (`--log-steps`), and the

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import statistics
-import time
 from pathlib import Path
 
 from benchmarks import ledger
@@ -42,6 +41,7 @@ from benchmarks.common import (
     final_loss,
     log_dir,
     read_step_logs,
+    run_to_end,
     start_coordinator,
     start_peer,
     stop_all,
@@ -103,13 +103,7 @@ def run_swarm(
         wait_online(url, peers)
         log_json = tmp / "train.jsonl"
         args = ["train", "--coordinator", url, "--steps", str(steps), "--verify-fraction", str(fraction)]
-        trainer = Proc([*args, "--log-json", str(log_json)], tmp / "trainer.log")
-        procs.append(trainer)
-        while trainer.popen.poll() is None:
-            time.sleep(0.5)
-        out = trainer.output()
-        if trainer.popen.returncode != 0:
-            raise RuntimeError(f"the trainer exited with {trainer.popen.returncode}:\n{out[-3000:]}")
+        out = run_to_end([*args, "--log-json", str(log_json)], tmp / "trainer.log", procs)
         print(out[out.rfind("summary") :], flush=True)
         records = [json.loads(line) for line in log_json.read_text().splitlines() if line.strip()]
     finally:
