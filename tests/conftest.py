@@ -27,6 +27,15 @@ from tests.harness import (  # noqa: F401
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # SWARM_TEST_CPU=FILE: each test's CPU seconds, with those of every process it ran, into FILE.
+    from tests import cpu_report
+
+    config.pluginmanager.register(cpu_report, "swarm-test-cpu")
+
+
 CONFIGS = ROOT / "configs"
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 
 import torch
 from hivemind.utils.mpfuture import MPFuture
@@ -11,6 +14,7 @@ from hivemind.utils.mpfuture import MPFuture
 from swarm.children import http
 from swarm.children import processes as process_table
 from swarm.zygote import process_locks, renew, zygote
+from tests.cpu_report import tree_cpu
 from tests.harness import TINY, command_name, end_groups, own_children
 from tests.processes import child, start_coordinator
 
@@ -92,3 +96,46 @@ def test_a_fork_of_the_zygote_gets_hiveminds_process_wide_locks_of_its_own(proce
                 os._exit(2)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the fork waited for a lock this process held"
+
+
+# Waits for the file argv[2], spins argv[1] s of CPU, says so, then sleeps until killed.
+SPIN = (
+    "import os, sys, time\nwhile not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
+    "end = time.process_time() + float(sys.argv[1])\nwhile time.process_time() < end: pass\n"
+    "print('spun', flush=True)\ntime.sleep(60)\n"
+)
+# Starts SPIN in a child of its own, says the child's pid and exits: the child is orphaned.
+SPIN_IN_CHILD = (
+    "import subprocess, sys\nprint(subprocess.Popen([sys.executable, '-c', *sys.argv[1:]]).pid, flush=True)\n"
+)
+
+
+def test_a_tests_cpu_counts_its_live_and_ended_processes_and_nothing_else(processes, tmp_path):
+    """tests/cpu_report.py's count: a live child's CPU while it runs and once it is gone (in this
+    process's count of reaped children); not a process out of this tree (orphaned)."""
+    me = os.getpid()
+
+    def spinner(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", *args], stdout=subprocess.PIPE, text=True)
+
+    child = spinner(SPIN, "1.0", str(tmp_path / "go"))
+    try:
+        start = tree_cpu(me)
+        (tmp_path / "go").touch()
+        assert child.stdout.readline() == "spun\n"
+        assert tree_cpu(me) - start >= 1.0  # alive
+    finally:
+        child.kill()
+        child.wait()
+    assert tree_cpu(me) - start >= 1.0  # ended and reaped
+    parent = spinner(SPIN_IN_CHILD, SPIN, "1.0", str(tmp_path / "go again"))
+    orphan = int(parent.stdout.readline())
+    try:
+        assert parent.wait(30) == 0
+        start, its = tree_cpu(me), tree_cpu(orphan)
+        (tmp_path / "go again").touch()
+        assert parent.stdout.readline() == "spun\n"  # the orphan's, on the pipe it inherited
+        assert tree_cpu(orphan) - its >= 1.0 and tree_cpu(me) - start < 0.3
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
