@@ -14,7 +14,7 @@ from hivemind.utils.mpfuture import MPFuture
 from swarm.children import http
 from swarm.children import processes as process_table
 from swarm.zygote import process_locks, renew, zygote
-from tests.cpu_report import tree_cpu
+from tests.cpu_report import TreeCPU
 from tests.harness import TINY, command_name, end_groups, own_children
 from tests.processes import child, start_coordinator
 
@@ -104,38 +104,44 @@ SPIN = (
     "end = time.process_time() + float(sys.argv[1])\nwhile time.process_time() < end: pass\n"
     "print('spun', flush=True)\ntime.sleep(60)\n"
 )
-# Starts SPIN in a child of its own, says the child's pid and exits: the child is orphaned.
-SPIN_IN_CHILD = (
-    "import subprocess, sys\nprint(subprocess.Popen([sys.executable, '-c', *sys.argv[1:]]).pid, flush=True)\n"
+# Starts the program argv[2:] in a child, says the child's pid, and sleeps argv[1] s before it exits.
+PARENT = (
+    "import subprocess, sys, time\nchild = subprocess.Popen([sys.executable, '-c', *sys.argv[2:]])\n"
+    "print(child.pid, flush=True)\ntime.sleep(float(sys.argv[1]))\n"
 )
 
 
-def test_a_tests_cpu_counts_its_live_and_ended_processes_and_nothing_else(processes, tmp_path):
-    """tests/cpu_report.py's count: a live child's CPU while it runs and once it is gone (in this
-    process's count of reaped children); not a process out of this tree (orphaned)."""
-    me = os.getpid()
+def test_a_tests_cpu_counts_processes_killed_together_and_none_that_left(processes, tmp_path):
+    """tests/cpu_report.py's count: a child's CPU though it is SIGKILLed with its parent (and so reaped
+    by init, which keeps its CPU, not by anything under this process), and not the CPU of a process
+    that left this process's tree (orphaned) before it spun."""
+    meter = TreeCPU(os.getpid(), period=0.1)
 
-    def spinner(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", *args], stdout=subprocess.PIPE, text=True)
+    def parent(stay: float, go: str) -> tuple[subprocess.Popen, int]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PARENT, str(stay), SPIN, "1.0", str(tmp_path / go)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        return proc, int(proc.stdout.readline())
 
-    child = spinner(SPIN, "1.0", str(tmp_path / "go"))
+    meter.start()
+    group, child = parent(60, "go")
     try:
-        start = tree_cpu(me)
         (tmp_path / "go").touch()
-        assert child.stdout.readline() == "spun\n"
-        assert tree_cpu(me) - start >= 1.0  # alive
+        assert group.stdout.readline() == "spun\n"  # the child's, on the pipe it inherited
     finally:
-        child.kill()
-        child.wait()
-    assert tree_cpu(me) - start >= 1.0  # ended and reaped
-    parent = spinner(SPIN_IN_CHILD, SPIN, "1.0", str(tmp_path / "go again"))
-    orphan = int(parent.stdout.readline())
+        os.killpg(group.pid, signal.SIGKILL)
+        group.wait()
+    assert meter.stop() >= 0.9
+    meter.start()
+    left, orphan = parent(0, "go again")
     try:
-        assert parent.wait(30) == 0
-        start, its = tree_cpu(me), tree_cpu(orphan)
+        assert left.wait(30) == 0
         (tmp_path / "go again").touch()
-        assert parent.stdout.readline() == "spun\n"  # the orphan's, on the pipe it inherited
-        assert tree_cpu(orphan) - its >= 1.0 and tree_cpu(me) - start < 0.3
+        assert left.stdout.readline() == "spun\n"
+        assert meter.stop() < 0.5  # the two interpreters' starts
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(orphan, signal.SIGKILL)
