@@ -8,6 +8,7 @@ import contextlib
 import functools
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
@@ -27,7 +29,7 @@ from pydantic import ValidationError
 from benchmarks.rebalance import best_min_total, stage_totals
 from peer.averaging import SwarmUpdater
 from peer.contribution import clip_contribution, drop_grads, grads_finite
-from peer.hivemind_compat import TrackerView, step_bits, tracked_partners
+from peer.hivemind_compat import SpacedLeaders, TrackerView, step_bits, tracked_partners
 from peer.norm_exchange import NormExchange
 from peer.options import Faults
 from peer.replica_check import ReplicaCheck, weights_digest
@@ -296,6 +298,29 @@ def test_an_idle_stage_fetches_its_progress_seldom_and_at_once_when_it_serves(pr
         assert time.monotonic() < deadline, "no fetch after serving"
         time.sleep(0.02)
     assert a.opt.tracker.global_progress.samples_accumulated == 8
+
+
+def test_a_replica_waiting_for_its_group_reads_the_group_key_a_few_times_a_second(processes, stage_one, monkeypatch):
+    """A replica that reaches a step's matchmaking before the others reads the step's group key from
+    the DHT every SpacedLeaders.SPACING_S, not back to back (each read asks every DHT node near the
+    key; hivemind's search read it as soon as a read found no leader, some hundred times in 4 s)."""
+    reads = multiprocessing.Value("i", 0)  # counted in the averager's process, forked after the patch
+    get_averagers = GroupKeyManager.get_averagers
+
+    async def counted(self, *args, **kwargs):
+        with reads.get_lock():
+            reads.value += 1
+        return await get_averagers(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupKeyManager, "get_averagers", counted)
+    a = stage_one.replica(stage_one.node(stage=1))
+    averager = a.opt.grad_averager
+    averager.expect(2)  # a partner that never comes
+    searching = 4.0
+    control = averager.schedule_step(scheduled_time=get_dht_time() + 60, timeout=60)
+    time.sleep(searching)
+    control.cancel()
+    assert 1 <= reads.value <= searching / SpacedLeaders.SPACING_S + 2, f"{reads.value} reads in {searching:g} s"
 
 
 def loads_within_a_step(replica: SwarmUpdater) -> int:
