@@ -20,8 +20,8 @@ from concurrent.futures import InvalidStateError
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException, PotentialLeaders
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.power_sgd_averager import AllReducePhases, PowerSGDGradientAverager
