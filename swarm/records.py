@@ -67,6 +67,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
 from swarm import __version__
+from swarm.dht_calls import cheap_calls
 from swarm.net import free_port
 
 log = logging.getLogger(__name__)
@@ -303,7 +304,9 @@ def make_dht(
 
 def start_node(dht: hivemind.DHT, timeout: float) -> bool:
     """Start `dht` (made with `start=False`) and wait until it is ready, at most `timeout` seconds;
-    False when it was not: then it is ended, with its p2pd (`make_dht` says why a deadline)."""
+    False when it was not: then it is ended, with its p2pd (`make_dht` says why a deadline). Its calls
+    send each process's result pipe once (swarm/dht_calls.py)."""
+    cheap_calls(dht)
     try:
         dht.run_in_background(await_ready=True, timeout=timeout)
         return True
