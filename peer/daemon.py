@@ -305,6 +305,12 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+class StoppedWhileStarting(Exception):
+    """SIGTERM or SIGINT before the peer was online: raised where the start was (joining its stage,
+    measuring, taking the stage's state, waiting on a DHT that may be going down with the swarm), so
+    that the peer leaves at once; a start that ran on took many seconds more, then a SIGKILL."""
+
+
 def run_peer(options: PeerOptions) -> int:
     """Join the run of `options.coordinator` and serve until a signal or the operator's removal.
     `options.checkpoint_dir` is checked before anything starts."""
@@ -348,17 +354,27 @@ def run_peer(options: PeerOptions) -> int:
         announce_host=options.announce_host,
         client_mode=unreachable(reach),
     )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     fits = memory.fitting_stages(run, dev.type, memory.peer_inflight(run, options.inflight), limit)
     peer = PeerDaemon(run, dht, dev, options, maddr_peer_ids(initial_peers), member, fits)
+    stop = threading.Event()
+    starting = True  # until the peer is online, a signal ends its start at once (`StoppedWhileStarting`)
+    main = os.getpid()  # the averagers' processes, forked from this one, inherit the handler: they wait for it
+
+    def on_signal(*_) -> None:
+        nonlocal starting
+        stop.set()
+        if starting and os.getpid() == main:
+            starting = False  # once: a second signal must not cut the leaving short
+            raise StoppedWhileStarting
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
-        peer.link = link_speed(options.coordinator, options.join_token)
-        log.info(f"peer {peer.name}: link {peer.link[0] / 1e6:.0f} Mbit/s up, {peer.link[1] / 1e6:.0f} down")
-    except httpx.HTTPError as err:  # a coordinator without the link test: the device's speed alone
-        log.warning(f"peer {peer.name}: no link test ({err}); capacity announced from the device alone")
-    try:
+        try:
+            peer.link = link_speed(options.coordinator, options.join_token)
+            log.info(f"peer {peer.name}: link {peer.link[0] / 1e6:.0f} Mbit/s up, {peer.link[1] / 1e6:.0f} down")
+        except httpx.HTTPError as err:  # a coordinator without the link test: the device's speed alone
+            log.warning(f"peer {peer.name}: no link test ({err}); capacity announced from the device alone")
         if stage is None:
             time.sleep(random.uniform(0, SPREAD_WAIT_S))  # peers that start together spread out
             view = read_swarm(dht, run.run_id, run.stages.count)
@@ -368,6 +384,7 @@ def run_peer(options: PeerOptions) -> int:
         peer.reach.check(reach)
         if options.relay > 0:
             peer.reach.run_relay(options.relay)
+        starting = False  # a signal from here on ends the loop below: the peer leaves its stage
         me = peer.record.public_name or peer.record.peer_id  # the dashboard's ?peer= takes either
         print(f"peer {me} online: {options.coordinator.rstrip('/')}/?{urlencode({'peer': me})}", flush=True)
         period = run.rebalance.period_s
@@ -430,6 +447,9 @@ def run_peer(options: PeerOptions) -> int:
                     f"{w.time_use()}"
                 )
         log.info(f"peer {peer.name}: leaving")
+        return 0
+    except StoppedWhileStarting:
+        log.info(f"peer {peer.name}: stopped while starting")
         return 0
     finally:
         faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)
