@@ -23,6 +23,7 @@ import dataclasses
 import faulthandler
 import gc
 import logging
+import multiprocessing
 import os
 import random
 import signal
@@ -305,6 +306,18 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def end_children(timeout: float = 5.0) -> None:
+    """SIGKILL what this process forked that still runs (multiprocessing's children: hivemind's
+    averagers, which ignore SIGTERM with the handler they inherit). A leaving worker ends its own, but
+    the averagers of a start cut short (`StoppedWhileStarting`) have nobody to end them, and
+    `exit_now` skips multiprocessing's ending of its children: they outlived the peer."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout)
+
+
 class StoppedWhileStarting(Exception):
     """SIGTERM or SIGINT before the peer was online: raised where the start was (joining its stage,
     measuring, taking the stage's state, waiting on a DHT that may be going down with the swarm), so
@@ -457,6 +470,7 @@ def run_peer(options: PeerOptions) -> int:
         peer.leave_stage()
         member.stop()
         shutdown_dht(dht)
+        end_children()
         if worker is not None:
             print(
                 f"peer stopped after {worker.samples_served} samples and {worker.optimizer_steps} steps "
