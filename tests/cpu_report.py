@@ -1,5 +1,6 @@
 """Which tests cost the machine's CPU: with SWARM_TEST_CPU=FILE, every test appends a line to FILE
-(tab-separated: its node id, wall seconds, CPU seconds), the CPU of every process it ran in its time.
+(tab-separated: its node id, wall seconds, CPU seconds, the xdist worker, the Unix time it began), the
+CPU of every process it ran in its time; the last two columns show when a worker waited alone.
 
 The suite is bound by its cores (docs/testing.md): a test that waits costs the other worker nothing,
 one whose swarm computes or chats over its DHT does, so the wall times pytest prints (`--durations`)
@@ -113,10 +114,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if _meter is None:
         _meter = TreeCPU(os.getpid())
     _meter.start()
-    wall = time.monotonic()
+    wall, began = time.monotonic(), time.time()
     try:
         return (yield)
     finally:
-        line = f"{item.nodeid}\t{time.monotonic() - wall:.2f}\t{_meter.stop():.2f}\n"
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
+        line = f"{item.nodeid}\t{time.monotonic() - wall:.2f}\t{_meter.stop():.2f}\t{worker}\t{began:.1f}\n"
         with open(path, "a") as out:  # one short write per line: the workers' lines do not mix
             out.write(line)

@@ -41,8 +41,8 @@ TINY = {
         *("--every", "1", "--tail", "2", *LOGS),
     ],
     "chaos": [
-        *("--stages", "3", "--per-stage", "2", "--steps", "8", "--no-baseline"),
-        *("--kill-min-s", "3", "--kill-max-s", "4", "--coordinator-at", "2", "--coordinator-down-s", "2"),
+        *("--stages", "3", "--per-stage", "2", "--steps", "6", "--no-baseline"),
+        *("--kill-min-s", "5", "--kill-max-s", "6", "--coordinator-at", "2", "--coordinator-down-s", "2"),
         *("--freeze-at", "5", "--freeze-s", "2", "--timeout-s", "240", *LOGS),
     ],
     "coordinator": ["--stages", "2", "--peers", "10", "--requests", "5", "--timeout-s", "60", *LOGS],
