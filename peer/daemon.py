@@ -427,30 +427,46 @@ def run_peer(options: PeerOptions) -> int:
             stalled = False
             return value
 
+        checks = options.rebalance or options.faults.restless
+        refresh_at = time.monotonic() + REFRESH_S
+
+        def until_due() -> float:
+            # The next refresh, or the next check when it comes first: a check waited for the refresh after
+            # it (every REFRESH_S), so a peer moved later than its period said, by 2 s on average.
+            due = min(refresh_at, check_at) if checks else refresh_at
+            return max(0.0, due - time.monotonic())
+
         # Each DHT read is bounded, and the stop is looked at between them: a DHT node that froze (SIGSTOP,
         # a machine that hangs) kept a read waiting with no end, and the loop then neither refreshed this
         # peer's record nor left on Ctrl-C. The record's store is bounded too (`announce`).
-        while not stop.wait(REFRESH_S):
-            if answered(lambda: peer.removed(DHT_READ_TIMEOUT_S)):
-                log.warning(f"peer {peer.name}: removed from the run by the operator")
-                break  # and leave as on SIGTERM
-            if stop.is_set():
-                break
-            peer.refresh()
-            if stop.is_set():
-                break
-            # A check that falls due while the swarm is unsteady waits for it to settle.
+        while not stop.wait(until_due()):
+            view = None
+            if time.monotonic() >= refresh_at:
+                refresh_at = time.monotonic() + REFRESH_S
+                if answered(lambda: peer.removed(DHT_READ_TIMEOUT_S)):
+                    log.warning(f"peer {peer.name}: removed from the run by the operator")
+                    break  # and leave as on SIGTERM
+                if stop.is_set():
+                    break
+                peer.refresh()
+                if stop.is_set():
+                    break
+                if not options.rebalance:
+                    answered(lambda: peer.track_swarm(DHT_READ_TIMEOUT_S))
+            elif time.monotonic() < check_at:
+                continue
+            # At every refresh and check; a check that falls due while the swarm is unsteady waits for it
+            # to settle.
             if options.rebalance:
                 view = answered(lambda: peer.watch(DHT_READ_TIMEOUT_S))
-            else:
-                view = None
-                answered(lambda: peer.track_swarm(DHT_READ_TIMEOUT_S))
             if options.faults.restless and time.monotonic() >= check_at:
                 peer.move((peer.record.stage + 1) % run.stages.count)
                 check_at = next_check()
             elif view is not None and time.monotonic() >= check_at:
                 peer.rebalance(view)
                 check_at = next_check()
+            elif time.monotonic() >= check_at:
+                check_at = refresh_at  # unsteady, or unread: looked at again with the next refresh's view
             if time.monotonic() - last_status > 30:
                 last_status = time.monotonic()
                 w = peer.worker

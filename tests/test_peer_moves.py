@@ -60,7 +60,7 @@ def call_at_once(client: StageClient, stage: int) -> int:
 
 def test_a_peer_that_keeps_moving_leaves_no_threads_or_processes_behind(processes, tmp_path):
     config = tmp_path / "restless.toml"
-    config.write_text(TINY.read_text() + "\n[rebalance]\nperiod_s = 3.0\n")
+    config.write_text(TINY.read_text() + "\n[rebalance]\nperiod_s = 2.0\n")
     run = load_config(config)
     swarm = Swarm(tmp_path, config)
     ready_file = tmp_path / "r.ready"
