@@ -137,11 +137,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def spread(items: list[pytest.Item]) -> list[pytest.Item]:
-    """`items` with each module's tests spread evenly over the whole run, in their order within the
-    module; the tests of one xdist group stay together. The workers take tests from one queue, in this
-    order: in file order, both ran the same module at once, and a module of tests that mostly wait
-    (tests/test_averaging.py's, each a replica waiting out a timeout) left the 2 cores a third busy
-    for two minutes, where beside another module's swarm the wait costs nothing."""
+    """`items` with each module's tests spread evenly over the run, in their order within the module
+    (the tests of one xdist group together), the tests that start processes first and the fast tier
+    last. The workers take tests from one queue, in this order. In file order both ran the same module
+    at once: tests/test_averaging.py's replicas waiting out timeouts left the 2 cores a third busy for
+    two minutes, where beside another module's swarm a wait costs nothing. With the fast tier spread
+    too, a swarm test came last and one worker ran it alone for 35 s; last, the fast tests (about
+    half a minute on each worker) fill that time."""
+    return _spread([i for i in items if i.get_closest_marker("swarm")]) + _spread(
+        [i for i in items if not i.get_closest_marker("swarm")]
+    )
+
+
+def _spread(items: list[pytest.Item]) -> list[pytest.Item]:
     units: dict[tuple[str, str], list[pytest.Item]] = {}  # (file, group or test) -> its tests, in order
     for item in items:
         group = item.get_closest_marker("xdist_group")
