@@ -219,14 +219,23 @@ class NetSwarm:
     node of its own (`Internet.add`), logs in `tmp`. Reads the coordinator's state from the node
     `reader` (the machine's own namespace cannot reach the nodes)."""
 
-    def __init__(self, net: Internet, tmp: Path, config: Path, nodes: dict[str, dict], reader: str = "trainer"):
-        """`nodes`: name -> `Internet.add` options; "coordinator" and `reader` among them."""
-        self.tmp, self.config, self.procs = tmp, config, []
+    def __init__(
+        self,
+        net: Internet,
+        tmp: Path,
+        config: Path,
+        nodes: dict[str, dict],
+        reader: str = "trainer",
+        kind: type[Proc] = Proc,
+    ):
+        """`nodes`: name -> `Internet.add` options; "coordinator" and `reader` among them. `kind`: the
+        class that starts each process (a subclass may fork them all from a zygote)."""
+        self.tmp, self.config, self.procs, self.kind = tmp, config, [], kind
         self.nodes = {name: net.add(name, **options) for name, options in nodes.items()}
         self.reader, self.url = reader, ""
 
     def start(self, name: str, args: list[str], **options):
-        proc = Proc(args, self.tmp / f"{name}.log", cwd=ROOT, prefix=self.nodes[name].prefix(), **options)
+        proc = self.kind(args, self.tmp / f"{name}.log", cwd=ROOT, prefix=self.nodes[name].prefix(), **options)
         self.procs.append(proc)
         return proc
 

@@ -13,6 +13,11 @@ process that started it closes its end of the pipe (it exits, or is killed).
 Protocol, one JSON object a line: the starting process writes {"args", "cwd", "env", "log", "err", "netns"};
 the zygote answers {"started": pid} once the child leads a process group of its own, and later, for each
 child, {"exited": pid, "code": returncode}.
+
+A process that starts another that starts commands too (a test running `python -m benchmarks NAME`)
+can lend it a zygote: {"pipes": [IN, OUT]} forks one more zygote from this one, already imported, that
+serves whoever opens the FIFO IN to write and OUT to read; that process finds them in SWARM_ZYGOTE_PIPES
+(`Zygote.lend`), and its `zygote()` takes it instead of starting one (6 s of CPU in imports).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy
@@ -42,6 +48,7 @@ import numpy
 # every peer did, after the fork: 1.2 to 3 s of CPU each, most of a forked peer's start.
 PRELOAD = ("torch", "torch._dynamo", "hivemind", "swarm.cli", "peer.daemon", "coordinator.app", "swarm.trainer.loop")
 ROOT = Path(__file__).resolve().parent.parent
+PIPES_ENV = "SWARM_ZYGOTE_PIPES"  # "IN:OUT": the FIFOs of a zygote lent to this process (`Zygote.lend`)
 
 
 # -- in the zygote ---------------------------------------------------------------------------------
@@ -165,10 +172,13 @@ def serve() -> None:
         importlib.import_module(name)
     if threading.active_count() != 1:
         raise SystemExit(f"zygote: {threading.active_count()} threads after the imports; a fork would be unsafe")
-    locks = process_locks()
+    _serve(sys.stdin, process_locks())
+
+
+def _serve(requests: Iterable[str | bytes], locks: list[tuple[object, str]]) -> None:
     signal.signal(signal.SIGCHLD, reap)
     answer({"ready": os.getpid()})
-    for line in sys.stdin:
+    for line in requests:
         request = json.loads(line)
         # "started" only once the child leads its process group (os.setsid), so that whoever signals the
         # group (os.killpg(pid), as swarm.children.Proc does) reaches it: a SIGTERM sent right after the
@@ -177,11 +187,34 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             os.close(led)
+            if "pipes" in request:
+                lent(request["pipes"], locks, leads)
             become(request, locks, leads)
         os.close(leads)
         os.read(led, 1)  # b"" once the child closed its end (or died)
         os.close(led)
         answer({"started": pid})
+
+
+def lent(pipes: list[str], locks: list[tuple[object, str]], leads: int) -> None:
+    """In a fresh fork: a zygote for whoever opens the FIFOs `pipes` (IN to write requests, OUT to read
+    the answers), in a session of its own; it exits once that process closed IN. The commands it forks
+    unwind through here as through `serve` (their SystemExit passes)."""
+    me = os.getpid()
+    os.setsid()
+    os.close(leads)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # not the lending zygote's pipe: its own requests are not this one's
+    os.close(null)
+    try:
+        with open(pipes[0], "rb") as requests:  # blocks until the borrower opens it to write
+            out = os.open(pipes[1], os.O_WRONLY)
+            os.dup2(out, 1)
+            os.close(out)
+            _serve(requests, locks)
+    finally:
+        if os.getpid() == me:
+            os._exit(0)
 
 
 # -- in the starting process ---------------------------------------------------------------------------
@@ -215,25 +248,35 @@ class Forked:
 
 
 class Zygote:
-    def __init__(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarm.zygote"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=ROOT,
-            start_new_session=True,
-        )
+    """A zygote this process started (a new interpreter), or, with `pipes` (IN, OUT), the one lent to
+    it through those FIFOs (`lend`)."""
+
+    def __init__(self, pipes: tuple[str, str] | None = None):
+        self.proc = None
+        if pipes is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "swarm.zygote"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+            self.requests, answers = self.proc.stdin, self.proc.stdout
+        else:
+            self.requests = open(pipes[0], "wb")  # noqa: SIM115 (closed by `close`); the order `lent` opens them
+            answers = open(pipes[1], "rb")  # noqa: SIM115 (read to its end by `_read`)
         self.exits: dict[int, int] = {}
         self.started: queue.Queue = queue.Queue()
         self.changed = threading.Condition()
         self.lock = threading.Lock()
-        threading.Thread(target=self._read, name="zygote", daemon=True).start()
-        ready = self.started.get(timeout=300)
-        if ready is None:
+        self.ended = False
+        threading.Thread(target=self._read, args=(answers,), name="zygote", daemon=True).start()
+        self._pid = self.started.get(timeout=300)
+        if self._pid is None:
             raise RuntimeError("the zygote exited before it was ready")
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
+    def _read(self, answers) -> None:
+        for line in answers:
             message = json.loads(line)
             if "exited" in message:
                 with self.changed:
@@ -241,9 +284,39 @@ class Zygote:
                     self.changed.notify_all()
             else:
                 self.started.put(message.get("started", message.get("ready")))
+        self.ended = True
         self.started.put(None)
         with self.changed:
             self.changed.notify_all()
+
+    def _request(self, request: dict) -> int:
+        """Write `request`; the pid it started."""
+        with self.lock:
+            if self.ended or (self.proc is not None and self.proc.poll() is not None):
+                raise RuntimeError("the zygote exited; no command can be started")
+            self.requests.write((json.dumps(request) + "\n").encode())
+            self.requests.flush()
+            pid = self.started.get(timeout=60)
+        if pid is None:
+            raise RuntimeError("the zygote exited while starting a command")
+        return pid
+
+    def lend(self, folder: Path) -> tuple[dict[str, str], Forked]:
+        """A zygote forked from this one for a process that this one is about to start: the environment
+        entry by which that process's `zygote()` takes it, and the lent zygote's process (to be ended
+        once that process has: one that never took it waits for it with no end)."""
+        pipes = [folder / "zygote.in", folder / "zygote.out"]
+        for path in pipes:
+            os.mkfifo(path)
+        pid = self._request({"pipes": [str(path) for path in pipes]})
+        return {PIPES_ENV: ":".join(str(path) for path in pipes)}, Forked(self, pid, ["zygote"])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        else:
+            self.requests.close()  # the lent zygote's end of its requests: it exits
 
     def exit_code(self, pid: int) -> int | None:
         return self.exits.get(pid)
@@ -257,37 +330,26 @@ class Zygote:
         netns: str | None = None,
         err: Path | None = None,
     ) -> Forked:
-        """`python -m swarm.cli ARGS` forked, in `cwd` with exactly `env`, output appended to `log` (its
-        standard error to `err` when given); with `netns`, inside that network namespace."""
-        with self.lock:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the zygote exited ({self.proc.returncode}); no command can be started")
-            request = {
-                "args": args,
-                "cwd": str(cwd),
-                "env": env,
-                "log": str(log),
-                "err": err and str(err),
-                "netns": netns,
-            }
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            pid = self.started.get(timeout=60)
-        if pid is None:
-            raise RuntimeError("the zygote exited while starting a command")
-        return Forked(self, pid, args)
+        """`python -m swarm.cli ARGS` forked, in `cwd` with exactly `env` (less a lent zygote's pipes,
+        which are this process's), output appended to `log` (its standard error to `err` when given);
+        with `netns`, inside that network namespace."""
+        env = {k: v for k, v in env.items() if k != PIPES_ENV}
+        request = {"args": args, "cwd": str(cwd), "env": env, "log": str(log), "err": err and str(err), "netns": netns}
+        return Forked(self, self._request(request), args)
 
     def pid(self) -> int:
-        return self.proc.pid
+        return self._pid
 
 
 @functools.cache
 def zygote() -> Zygote:
-    """This process's zygote, started at first use and ended with the process."""
-    z = Zygote()
+    """This process's zygote: the one lent to it (SWARM_ZYGOTE_PIPES), else one started at first use;
+    ended with the process."""
+    pipes = os.environ.pop(PIPES_ENV, None)
+    z = Zygote(tuple(pipes.split(":", 1)) if pipes else None)
     import atexit
 
-    atexit.register(lambda: (z.proc.kill(), z.proc.wait()))
+    atexit.register(z.close)
     return z
 
 

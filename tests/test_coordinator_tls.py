@@ -18,11 +18,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from swarm.children import Proc
 from swarm.net import cleartext_warning, is_loopback
 from swarm.ready import CoordinatorReady, PeerReady, wait_ready
 from tests.conftest import CONFIGS, run_cli
-from tests.processes import ROOT, wait_for_state
+from tests.processes import ROOT, ForkedProc, wait_for_state
 
 TINY = CONFIGS / "tiny.toml"
 
@@ -56,7 +55,7 @@ def certificate(tmp_path: Path) -> tuple[Path, Path]:
 def test_a_peer_joins_a_coordinator_over_https_and_plain_http_gets_nothing(processes, tmp_path: Path, certificate):
     cert, key = certificate
     trust = {"SSL_CERT_FILE": str(cert), "SWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
-    coordinator = Proc(
+    coordinator = ForkedProc(
         ["coordinator", "--config", str(TINY), "--port", "0", "--state-dir", str(tmp_path / "state")]
         + ["--tls-cert", str(cert), "--tls-key", str(key), "--join-token", "invite-only"],
         tmp_path / "coordinator.log",
@@ -75,7 +74,7 @@ def test_a_peer_joins_a_coordinator_over_https_and_plain_http_gets_nothing(proce
         with pytest.raises(httpx.ConnectError):  # nor does a client that does not trust it go on
             httpx.get(f"{url}/api/v1/join", verify=ssl.create_default_context(), timeout=5)
 
-        peer = Proc(
+        peer = ForkedProc(
             ["peer", "--coordinator", url, "--join-token", "invite-only", "--port", "0", "--threads", "1"],
             tmp_path / "peer.log",
             ready=True,
@@ -106,7 +105,7 @@ def test_a_token_bound_for_another_machine_over_plain_http_is_warned_about(proce
     assert "the join token travels in clear to http://coordinator.invalid:8000" in tried.stderr, tried.stderr
     assert "secret" not in tried.stderr  # the warning names the token, never shows it
 
-    coordinator = Proc(
+    coordinator = ForkedProc(
         ["coordinator", "--config", str(TINY), "--host", "0.0.0.0", "--port", "0", "--join-token", "secret"]
         + ["--state-dir", str(tmp_path / "state")],
         tmp_path / "coordinator.log",

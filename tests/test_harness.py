@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -54,6 +55,36 @@ def test_a_command_forked_from_the_zygote_runs_as_a_new_interpreter_would(proces
     end_groups({pid})
     assert proc.popen.wait(15) is not None and process_row(pid) is None
     assert process_row(z) is not None
+
+
+# A process that starts commands with the zygote lent to it: a `swarm` command that exits at once, its
+# exit status, the lent zygote's pid and whether the borrower started an interpreter of its own.
+BORROWER = """
+import json, os, sys
+from pathlib import Path
+from swarm.zygote import PIPES_ENV, zygote
+z = zygote()
+command = z.spawn(["peer", "--stage", "nope"], Path(sys.argv[1]), Path.cwd(), dict(os.environ))
+said = {"code": command.wait(60), "zygote": z.pid(), "own": z.proc is not None, "env": PIPES_ENV in os.environ}
+print(json.dumps(said))
+"""
+
+
+def test_a_zygote_lent_to_a_process_forks_its_commands_and_ends_with_it(processes, tmp_path):
+    """swarm/zygote.py `Zygote.lend`: a zygote forked from this process's, already imported, serves the
+    process given its FIFOs (a benchmark the tests run), which starts no zygote of its own (6 s of CPU),
+    and the lent zygote exits once that process has."""
+    pipes, lent = zygote().lend(tmp_path)
+    assert process_row(lent.pid)[2] == zygote().pid()  # a child of this process's zygote
+    env = {**os.environ, **pipes}
+    done = subprocess.run(
+        [sys.executable, "-c", BORROWER, str(tmp_path / "bad.log")], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said == {"code": 2, "zygote": lent.pid, "own": False, "env": False}, said
+    assert "argument --stage: 'nope' is neither" in (tmp_path / "bad.log").read_text()
+    assert lent.wait(10) == 0  # its borrower closed the pipe: it exited by itself
 
 
 def test_a_command_signalled_the_moment_it_starts_ends(processes, tmp_path):

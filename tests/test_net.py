@@ -108,7 +108,7 @@ def test_bad_nodes_are_refused_with_the_reason(processes):
 def test_a_swarm_trains_with_every_process_on_a_node_of_its_own(processes, tmp_path: Path):
     with Internet() as net:
         nodes = {name: {"up_mbit": 200, "down_mbit": 200} for name in ("coordinator", "p0", "p1", "trainer")}
-        with NetSwarm(net, tmp_path, TINY, nodes) as swarm:
+        with NetSwarm(net, tmp_path, TINY, nodes, kind=ForkedProc) as swarm:
             assert swarm.coordinator() == f"http://{swarm.nodes['coordinator'].address}:8000"
             swarm.peer("p0", 0)
             swarm.peer("p1", 1)

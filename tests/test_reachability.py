@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks.net import Internet, NetSwarm, by_name, unavailable
 from tests.harness import TINY
+from tests.processes import ForkedProc
 from tests.test_speedtest import TOKEN, coordinator  # noqa: F401 (a fixture)
 
 MEMBER = {"Authorization": f"Bearer {TOKEN}"}
@@ -69,7 +70,7 @@ def emulated(net: Internet, tmp: Path, homes: set[str], names: tuple[str, ...]) 
     """A tiny.toml run: a coordinator, `names` peers and a trainer on nodes of their own; `homes` take
     no connection in."""
     nodes = {name: {"home": name in homes} for name in ("coordinator", "trainer", *names)}
-    return NetSwarm(net, tmp, TINY, nodes)
+    return NetSwarm(net, tmp, TINY, nodes, kind=ForkedProc)  # forked into their nodes: no interpreter each
 
 
 def reported(count: int):

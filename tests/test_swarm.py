@@ -43,7 +43,8 @@ def check_traffic_split(swarm: Swarm) -> None:
     swarm.wait_online(["s0", "fast", "slow"])
     # Spot checks off: a checked call goes to the peer with the fewest passed checks, whatever its
     # speed (swarm/verify.py); this is about where the router alone sends the work.
-    swarm.train(16, 8, 20, "--verify-fraction", "0")
+    # 12 steps: the fast peer's share of the samples settles within 3 (0.65 at step 8, 0.63 at 16).
+    swarm.train(12, 8, 20, "--verify-fraction", "0")
     swarm.finish_training()
     s = wait_for_state(swarm.url, lambda s: peer_record(s, "slow")["samples_served"] > 0)
     fast, slow = peer_record(s, "fast"), peer_record(s, "slow")
