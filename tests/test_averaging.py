@@ -834,7 +834,7 @@ def test_replicas_stay_equal_and_a_late_joiner_serves_the_current_weights(averag
 
 
 def test_unequal_peers_rebalance_to_within_ten_percent_of_the_best_assignment(processes, tmp_path):
-    period = 4.0
+    period = 3.0
     path, _ = config_with(tmp_path, f"\n[rebalance]\nperiod_s = {period}\n")
     swarm = Swarm(tmp_path, path)
     # The delay stands in for a slower device: it lowers the throughput the peer measures.

@@ -101,7 +101,7 @@ def test_trainer_waits_for_a_missing_stage_and_says_so(swarm):
 
 
 def test_peers_started_on_one_stage_rebalance_two_and_two_and_then_stay(processes, tmp_path):
-    period = 4.0
+    period = 3.0
     config = tmp_path / "rebalance.toml"
     config.write_text(TINY.read_text() + f"\n[rebalance]\nperiod_s = {period}\n")
     swarm = Swarm(tmp_path, config)
