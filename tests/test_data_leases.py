@@ -342,8 +342,8 @@ def test_two_trainers_on_one_run_train_disjoint_windows(processes, tmp_path: Pat
         print(f"trainer a read shards {sorted(shards_a)}, trainer b {sorted(shards_b)}")
         # Each trainer names the step the stages reached after each of its own: the steps rise. How far
         # they rise depends on how the two overlapped: a stage steps once it holds a global batch from
-        # either trainer, so two trainers in lockstep complete a step together (both named steps 0-5 in
-        # one run of 6 steps each), and two that drift apart name steps past their own count.
+        # either trainer, so two trainers in lockstep complete a step together (both name the same steps,
+        # one for each of their own), and two that drift apart name steps past their own count.
         steps = {
             n: [json.loads(line)["step"] for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()] for n in "ab"
         }
