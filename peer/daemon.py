@@ -190,8 +190,12 @@ class PeerDaemon:
         )
 
     def removed(self, timeout: float | None = None) -> bool:
-        """Whether the operator removed this peer from the run (through the coordinator); `timeout`
-        bounds the DHT read (TimeoutError)."""
+        """Whether the operator removed this peer from the run (through the coordinator). A member of
+        the run reads the removed peers every REVOCATION_POLL_S already (swarm/identity.py: they are
+        its revoked callers): its last reading answers, for no DHT read of its own. Otherwise the
+        records are read here, `timeout` bounding the read (TimeoutError)."""
+        if self.member is not None:
+            return self.record.peer_id in self.member.revoked
         return self.record.peer_id in read_removed(self.dht, self.run.run_id, self.coordinators, timeout)
 
     def leave_stage(self, timeout: float = 0, moving_to: int | None = None) -> None:

@@ -462,7 +462,9 @@ class Member:
     def start(self, dht: hivemind.DHT | None, read_revoked: Callable[[], set[str]]) -> None:
         """Keep the membership current in the background: renew before the certificate lapses, read
         the revoked peer ids every REVOCATION_POLL_S (`read_revoked`), and tell `dht`'s authorizer
-        (None: a member with no DHT node)."""
+        (None: a member with no DHT node). The first reading is taken before this returns: whoever
+        reads `revoked` (a peer's removal check, a trainer's routing) reads the DHT's word from the start."""
+        self._refresh(dht, read_revoked, None)
         self._thread = threading.Thread(target=self._keep, args=(dht, read_revoked), name="membership", daemon=True)
         self._thread.start()
 
@@ -483,15 +485,19 @@ class Member:
                     token = self.issued.dht_token
                     self.generation += 1
                     log.info(f"certificate renewed, valid until {time.ctime(self.issued.expires)}")
-            try:
-                revoked = frozenset(read_revoked())
-            except Exception as err:  # a DHT read that failed: keep what was known
-                log.debug(f"cannot read the revoked peers: {err}")
-                revoked = self.revoked
-            if token is not None or revoked != self.revoked:
-                self.revoked = revoked
-                if dht is None:
-                    continue
+            self._refresh(dht, read_revoked, token)
+
+    def _refresh(self, dht: hivemind.DHT | None, read_revoked: Callable[[], set[str]], token: bytes | None) -> None:
+        """Read the revoked peer ids; tell `dht`'s authorizer of them, and of a renewed `token`, when
+        either changed."""
+        try:
+            revoked = frozenset(read_revoked())
+        except Exception as err:  # a DHT read that failed: keep what was known
+            log.debug(f"cannot read the revoked peers: {err}")
+            revoked = self.revoked
+        if token is not None or revoked != self.revoked:
+            self.revoked = revoked
+            if dht is not None:
                 update = functools.partial(_update_authorizer, token=token, revoked=revoked)
                 dht.run_coroutine(update, return_future=True)  # not waited for
 

@@ -42,7 +42,7 @@ TINY = {
         *("--every", "1", "--tail", "2", *LOGS),
     ],
     "chaos": [
-        *("--stages", "3", "--per-stage", "2", "--steps", "6", "--no-baseline"),
+        *("--stages", "2", "--per-stage", "2", "--steps", "6", "--no-baseline"),
         *("--kill-min-s", "5", "--kill-max-s", "6", "--coordinator-at", "2", "--coordinator-down-s", "2"),
         *("--freeze-at", "5", "--freeze-s", "2", "--timeout-s", "240", *LOGS),
     ],
@@ -221,7 +221,7 @@ def test_wan_smoke_sets_each_run_beside_the_config_as_shipped(processes, tmp_pat
 
 @about("chaos")
 def test_chaos_smoke_survives_killed_peers_a_dead_coordinator_and_a_frozen_peer(processes, tmp_path_factory):
-    """configs/tiny.toml cut into 3 stages, 2 peers each, and a trainer: while it trains, the driver
+    """configs/tiny.toml cut into 2 stages, 2 peers each, and a trainer: while it trains, the driver
     SIGKILLs the coordinator's process group and starts it again, freezes a peer's group with SIGSTOP
     and lets it go on, and SIGKILLs peers' groups and starts replacements. The run finishes every step
     with every microbatch done once as the trainer sees it, no gradient counted twice on any stage,

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from peer import stage_optimizer
 from peer.averaging import SwarmUpdater
 from peer.checkpoint import Snapshot, check_checkpoint, write_checkpoint
 from peer.replica_check import weights_digest
@@ -31,6 +32,7 @@ from tests.test_averaging import FAST_AVERAGING, StageOne, config_with, step_unt
 
 H = 3  # inner steps per phase
 ROUND_S = 60.0  # averaging_timeout_s
+REPORT_TTL_S = 6.0  # how long a progress report lives where a test waits for one to expire
 CHUNK_S = 30.0  # chunk_timeout_s
 
 
@@ -384,11 +386,21 @@ def test_a_dht_member_outside_the_stage_cannot_hold_up_an_outer_step_with_a_lagg
 
 
 def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part_in_the_outer_step(
-    processes, stage_one
+    processes, tmp_path, monkeypatch
 ):
     """hivemind stops reporting the progress of a peer that serves no samples; once its last report
     expired, the stage counted one peer, and the outer step averaged the replica that served alone. A
-    replica that follows the stage's steps without serving holds a phase of inner steps all the same."""
+    replica that follows the stage's steps without serving holds a phase of inner steps all the same.
+    The reports live REPORT_TTL_S here, half of a run's TTL_S: the test waits for one to expire."""
+    monkeypatch.setattr(stage_optimizer, "TTL_S", REPORT_TTL_S)
+    stage_one = diloco_stage(tmp_path, "outer_lr = 0.7\nouter_momentum = 0.5\n")
+    try:
+        served_nothing_then_outer_step(stage_one)
+    finally:
+        stage_one.close()
+
+
+def served_nothing_then_outer_step(stage_one: StageOne) -> None:
     run = stage_one.run
     a, b, _, ga, gb, half = two_replicas(stage_one)
     full = run.training.global_batch
@@ -398,10 +410,10 @@ def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part
         serve(a, ga, full)
         wait_ready(a, full)
         assert step_until_taken(a, full, ROUND_S) == full
-        time.sleep(TTL_S / 2 + 1)
+        time.sleep(REPORT_TTL_S / 2 + 1)
         follow_the_stage(b)
         assert b.epoch == a.epoch
-    time.sleep(max(0.0, silent + TTL_S + 1 - time.monotonic()))  # b's report from its last samples expired
+    time.sleep(max(0.0, silent + REPORT_TTL_S + 1 - time.monotonic()))  # b's report from its last samples expired
 
     serve(a, ga, full)  # the outer step, all on a
     outer_step_together(a, b)

@@ -151,7 +151,7 @@ def test_a_peer_whose_gradients_come_out_non_finite_does_not_make_its_stage_step
         swarm.add_peer("b1", 1)
         swarm.add_peer("n1", 1, "--non-finite-grads")
         swarm.wait_online(["a0", "b1", "n1"])
-        steps = 8
+        steps = 6
         swarm.train(steps, 4, 20)
         records = swarm.finish_training()
         logs = swarm.applied()

@@ -15,7 +15,7 @@ from tests.test_swarm import ACCUMULATION, TINY, Swarm, peer_record
 # Long enough for the hostile peer's second strike: after its first bad answer it gets no backward, falls
 # behind its stage, and refuses work (and is banned again) until the records show the stage's step and it
 # loads the stage's state; a run of 8 steps (3 s) once ended before it was asked again.
-STEPS = 20
+STEPS = 10  # both hostile peers are banned within the first steps (their strikes come first)
 STRIKES = 2  # tiny.toml leaves verify.strikes at its default
 
 
@@ -27,7 +27,7 @@ def test_peers_answering_malformed_tensors_are_banned_and_every_step_completes(p
     try:
         # The honest peer of stage 0 is slower, so that the router sends the hostile ones calls: each
         # peer's speed is measured as it starts, and on a loaded machine an honest peer that measured
-        # faster took every call of the 20 steps (the router sends a call where it expects it done first).
+        # faster took every call of 20 steps (the router sends a call where it expects it done first).
         swarm.add_peer("honest0", 0, "--delay-per-sample", "0.01")
         for malformed in ("shape", "nan"):
             swarm.add_peer(malformed, 0, "--malformed", malformed)

@@ -26,7 +26,7 @@ from tests.test_hostile_checks import assert_every_step_done
 
 FAR = 2**31 - 2
 HUGE = 10**9
-STEPS = 6
+STEPS = 4
 
 
 def assert_no_stage_moved(swarm: Swarm, tmp: Path, names: list[str]) -> None:

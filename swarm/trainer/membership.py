@@ -21,6 +21,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from swarm.config import RunConfig
+from swarm.identity import Member
 from swarm.receipts import Receipts, impossible
 from swarm.records import (
     REFRESH_S,
@@ -52,11 +53,13 @@ class Membership:
         initial_peers: list[str],
         spot: SpotChecks,
         refresh_s: float = 2.0,
+        member: Member | None = None,
     ):
         """`dht`: a client node of the run's DHT, joined through the coordinator at `initial_peers`
         (swarm.join.join_dht), whose word on pauses and removals counts; `spot`: this trainer's spot
-        checks, whose banned peers get no calls until their ban ends."""
-        self.run, self.dht, self.spot = run, dht, spot
+        checks, whose banned peers get no calls until their ban ends; `member`: this trainer's run
+        membership, whose revoked peers are the removed ones (read by it, not again here)."""
+        self.run, self.dht, self.spot, self.member = run, dht, spot, member
         self.num_stages = run.stages.count
         self.trainer_id = uuid.uuid4().hex[:12]
         self.record = TrainerRecord(trainer_id=self.trainer_id, public_name=f"trainer-{self.trainer_id[:6]}")
@@ -80,7 +83,7 @@ class Membership:
         if self.reconnector.check(view):  # a stage looks empty: maybe this node lost touch with the DHT
             view = read_swarm(self.dht, self.run.run_id, self.num_stages)
         self._convict_liars()
-        removed = read_removed(self.dht, self.run.run_id, self.coordinators)  # by the operator: they are leaving
+        removed = self._removed()  # by the operator: they are leaving
         control = read_control(self.dht, self.run.run_id, self.coordinators)
         now, dht_now = time.monotonic(), get_dht_time()
         with self._lock:
@@ -94,6 +97,13 @@ class Membership:
                 ]  # a peer the coordinator could not dial back is no one's to call (coordinator/api_reachability.py)
                 self._routers[k].update_peers({p.peer_id: p.throughput for p in online}, now)
                 self._addresses[k] = {p.peer_id: p.address for p in online}
+
+    def _removed(self) -> frozenset[str]:
+        """The peers the operator removed: the membership's last reading of them (every
+        REVOCATION_POLL_S), else the DHT's records now."""
+        if self.member is not None:
+            return self.member.revoked
+        return frozenset(read_removed(self.dht, self.run.run_id, self.coordinators))
 
     def _convict_liars(self) -> None:
         """Ban the peers whose own signed progress reports claim more samples toward one step than any

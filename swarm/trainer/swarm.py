@@ -314,7 +314,7 @@ def train_swarm(coordinator: str, opts: TrainerOptions) -> list[dict]:
         run = run.model_copy(update={"verify": run.verify.model_copy(update={"fraction": opts.verify_fraction})})
     v = run.verify
     spot = SpotChecks(run.stages.count, v.fraction, v.strikes, v.first_checks, v.ban_s)
-    members = Membership(run, dht, initial_peers, spot)
+    members = Membership(run, dht, initial_peers, spot, member=member)
     source = None
     try:
         if not opts.data and CoordinatorShards.offered(coordinator, opts.join_token):
