@@ -76,7 +76,7 @@ REFRESH_S = 4.0  # how often a live peer or trainer re-announces itself
 TTL_S = 12.0  # a record not refreshed for this long expires (a killed peer is gone within it)
 CONTROL_REFRESH_S = 5.0  # how often the coordinator re-stores the control record
 CONTROL_TTL_S = 60.0  # a pause outlives its coordinator by at most this long
-REMOVED_TTL_S = 600.0  # a removed peer sees its removal at its next refresh; this is ample
+REMOVED_TTL_S = 600.0  # a removed peer sees its removal within a revocation poll and a refresh; this is ample
 NORM_TTL_S = 120.0  # the stages read a step's norm shares within averaging.sync_timeout_s of it
 MAX_STEP = 2**31 - 1  # no honest step count comes near this (a trainer step per second: 68 years)
 
