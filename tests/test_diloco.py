@@ -386,21 +386,14 @@ def test_a_dht_member_outside_the_stage_cannot_hold_up_an_outer_step_with_a_lagg
 
 
 def test_a_replica_that_served_nothing_for_longer_than_a_report_lives_takes_part_in_the_outer_step(
-    processes, tmp_path, monkeypatch
+    processes, stage_one, monkeypatch
 ):
     """hivemind stops reporting the progress of a peer that serves no samples; once its last report
     expired, the stage counted one peer, and the outer step averaged the replica that served alone. A
     replica that follows the stage's steps without serving holds a phase of inner steps all the same.
-    The reports live REPORT_TTL_S here, half of a run's TTL_S: the test waits for one to expire."""
+    The reports live REPORT_TTL_S here, half of a run's TTL_S (read as each replica is made): the test
+    waits for one to expire."""
     monkeypatch.setattr(stage_optimizer, "TTL_S", REPORT_TTL_S)
-    stage_one = diloco_stage(tmp_path, "outer_lr = 0.7\nouter_momentum = 0.5\n")
-    try:
-        served_nothing_then_outer_step(stage_one)
-    finally:
-        stage_one.close()
-
-
-def served_nothing_then_outer_step(stage_one: StageOne) -> None:
     run = stage_one.run
     a, b, _, ga, gb, half = two_replicas(stage_one)
     full = run.training.global_batch
